@@ -1,0 +1,834 @@
+"""Fused per-token log-probs, entropy and KL of sampled tokens, for PPO on LLMs.
+
+PPO needs, for every generated token t with logits x (V,) and temperature T, with z = x / T:
+
+    logp    = z[t] - lse,            lse = log sum_j exp(z_j)
+    entropy = lse - sum_j p_j z_j,   p = softmax(z)
+    kl      = logp - ref                            (k1)
+            = exp(ref - logp) - (ref - logp) - 1    (k3, Schulman, "Approximating KL divergence", 2020)
+
+and their gradients, many times per batch. The eager way (`log_softmax(x.float() / T)` then gather) writes and keeps
+several float32 copies of a (tokens, vocab) tensor; at 152k vocab that is most of a GPU's memory and time. Here:
+
+- `token_logprobs` reads each row of logits once in the forward with an online log-sum-exp (running max and rescaled
+  sum, Milakov & Gimelshein 2018, "Online normalizer calculation for softmax"; the same trick as flash-attention and
+  the cross-entropy kernels of flash-attn and Liger-Kernel), keeps three floats per row for the backward (no saved
+  probabilities), and in the backward reads the logits once more and writes d(logits) once, optionally into the
+  logits' own storage.
+  Gradients, with a = dL/dlogp (+ dL/dkl * dkl/dlogp) and b = dL/dentropy:
+
+      dL/dx_j = (1/T) * ( a * (1[j == t] - p_j)  -  b * p_j * (z_j - sum_i p_i z_i) )
+
+  dkl/dlogp = 1 for k1 and 1 - exp(ref - logp) for k3; it folds into a, so the KL penalty costs no extra pass.
+- `linear_token_logprobs` does the same from the last hidden states and the lm_head weight, chunk by chunk over
+  tokens, never holding the (tokens, vocab) logits (the idea of Liger-Kernel's fused linear cross-entropy; unlike
+  Liger, which knows the scalar loss in the forward, our three outputs get arbitrary upstream gradients, so the
+  backward recomputes each chunk's logits: one extra matmul per chunk).
+
+Numerics (Triton): all sums are in float32 and relative to the row max m of the raw logits
+(the online update rescales them when m grows): with z = (x - m) / T, log sum exp z lies in [0, log V], the
+entropy log sum exp z - sum p z does not cancel, and x - m is exact for the logits that carry probability, so
+dividing by T does not round a large offset (logits ~1e4 keep float32 accuracy). logp = z[t] - log sum exp z.
+The backward gets p back from three saved floats per row (m, log sum exp z, sum p z).
+
+Every function has a Triton path (CUDA, or CPU tensors under TRITON_INTERPRET=1) and a plain PyTorch path (CPU, no
+Triton, float64): torch.log_softmax on row chunks of at most 4M elements (the same max shift before 1/T), the row
+max and the entropy kept per row, log p recomputed in the backward. The torch path on float64 input is the
+reference the tests compare against.
+
+    python kernels.py --bench [--tokens N] [--vocab V] [--dtype bf16|fp16|fp32]
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the torch path still works
+    triton = None
+
+# 4096 float32 values per block: with 8 warps that is 16 values per thread, enough bytes in flight per SM to saturate
+# HBM (Little's law: ~5 TB/s x ~1 us latency / 132 SMs ~ 40 KB) while the three per-block reductions (max, two sums)
+# stay a small part of the work. Larger blocks spill registers; smaller ones pay the reductions more often. The
+# online update is per block, not per element, so it costs one exp per logit: at ~2.4e12 bf16 logits/s of HBM
+# bandwidth, a second exp per element (per-lane running max) would make the H200's SFUs the limit. Tests lower it.
+BLOCK_V = 4096
+# Tests set this: the Triton launchers then fill outputs and gradients with NaN instead of leaving them uninitialised,
+# so a row the kernel forgot to write fails the comparison.
+_POISON = False
+# The torch path works on row chunks of at most this many elements (16 MB of float32), so its float temporaries stay
+# bounded however many tokens there are.
+_TORCH_CHUNK_ELEMS = 1 << 22
+# linear_token_logprobs caps each chunk's float32 logits at this many bytes.
+_LINEAR_CHUNK_BYTES = 256 << 20
+
+
+# ---------------------------------------------------------------------------------------------------- shared helpers
+
+def _kl_value(logp, ref, kl):
+    if kl == "k1":
+        return logp - ref
+    d = ref - logp
+    return torch.expm1(d) - d  # exp(d) - 1 - d; expm1 keeps the O(d^2) value accurate for small d
+
+
+def _kl_dlogp(logp, ref, kl):
+    return torch.ones_like(logp) if kl == "k1" else -torch.expm1(ref - logp)  # d/dlogp of the above
+
+
+def _compute_dtype(logits):
+    return torch.float64 if logits.dtype == torch.float64 else torch.float32
+
+
+def _empty(shape, dtype, device):
+    shape = (shape,) if isinstance(shape, int) else shape
+    return torch.full(shape, float("nan"), dtype=dtype, device=device) if _POISON else \
+        torch.empty(shape, dtype=dtype, device=device)
+
+
+def _pick_backend(backend, x):
+    if backend == "auto":
+        return "triton" if (x.is_cuda and triton is not None and x.dtype != torch.float64) else "torch"
+    if backend == "triton":
+        if triton is None:
+            raise RuntimeError("backend='triton' but triton is not importable")
+        if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError("backend='triton' on CPU tensors needs TRITON_INTERPRET=1 set before importing triton")
+        if x.dtype == torch.float64:
+            raise ValueError("the Triton kernels accumulate in float32; use backend='torch' for float64")
+        return "triton"
+    if backend != "torch":
+        raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
+    return "torch"
+
+
+def _check(rows, tokens, mask, kept_ids, ref_logprobs, kl, temperature):
+    """rows: the logits' shape without the vocab dim."""
+    if kl not in ("k1", "k3"):
+        raise ValueError(f"kl must be 'k1' or 'k3', got {kl!r}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    for name, t in (("tokens", tokens), ("mask", mask), ("ref_logprobs", ref_logprobs)):
+        if t is not None and t.shape != rows:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(rows)}")
+    if kept_ids is not None and kept_ids.shape[:-1] != rows:
+        raise ValueError(f"kept_ids has shape {tuple(kept_ids.shape)}, expected {tuple(rows)} + (K,)")
+
+
+def _flat_inputs(tokens, mask, kept_ids, ref_logprobs, cdtype):
+    """Per-row inputs as contiguous 1-D (2-D for kept_ids) tensors; they are tiny next to the logits."""
+    n = tokens.numel()
+    tokens = tokens.reshape(n).long().contiguous()
+    mask = None if mask is None else mask.reshape(n).bool().contiguous()
+    kept_ids = None if kept_ids is None else kept_ids.reshape(n, kept_ids.shape[-1]).long().contiguous()
+    ref_logprobs = None if ref_logprobs is None else ref_logprobs.reshape(n).to(cdtype).contiguous()
+    return tokens, mask, kept_ids, ref_logprobs
+
+
+# ---------------------------------------------------------------------------------------------------- torch path
+
+def _torch_chunks(mask, n_rows, width):
+    """Row chunks of at most _TORCH_CHUNK_ELEMS elements, over the real rows only: with a mask they are gathered
+    (a copy of the real rows only) instead of computing all rows and torch.where'ing, which would also pay for
+    exp() of the masked rows' garbage. Returns the real row ids (None = all) and a list of slices or id tensors."""
+    rows = None if mask is None else mask.nonzero().squeeze(1)
+    if rows is not None and rows.numel() == n_rows:
+        rows = None
+    n, step = (n_rows if rows is None else rows.numel()), max(1, _TORCH_CHUNK_ELEMS // width)
+    return rows, [slice(r0, min(r0 + step, n)) if rows is None else rows[r0:r0 + step] for r0 in range(0, n, step)]
+
+
+def _torch_log_probs(x2d, tokens, kept, temperature, cdtype, ids, row_max=None):
+    """log p (n, V) of rows `ids`, or (n, K) over their kept ids, in cdtype, with -inf (unused kept slots, -inf
+    logits) clamped to the most negative finite value so that p * log p = 0 there instead of NaN. With T != 1 the
+    row max is subtracted before dividing: x - max x is exact for the logits that carry probability, so /T does not
+    round a large common offset (log_softmax shifts by the max too, but only after our division). Returns log p,
+    logp of the sampled tokens (n,), the row max (None when T = 1), the chunk's tokens and kept ids."""
+    x, tok = x2d[ids], tokens[ids]                                              # (n, V), (n,)
+    kept = None if kept is None else kept[ids]                                  # (n, K)
+    z = x if kept is None else x.gather(1, kept.clamp(min=0)).masked_fill_(kept < 0, float("-inf"))
+    if temperature != 1.0:
+        row_max = z.amax(dim=1).to(cdtype) if row_max is None else row_max[ids]  # (n,) in logit units
+        z = torch.sub(z, row_max[:, None]).div_(temperature)                   # (n, V) in cdtype
+    log_p = torch.log_softmax(z, dim=1, dtype=cdtype).clamp_(min=torch.finfo(cdtype).min)
+    if kept is None:
+        logp = log_p.gather(1, tok[:, None]).squeeze(1)
+    else:  # the sampled token's slot in the kept set, if it has one
+        hit = kept == tok[:, None]                                              # (n, K)
+        logp = log_p.gather(1, hit.long().argmax(dim=1, keepdim=True)).squeeze(1)
+        logp = torch.where(hit.any(dim=1), logp, float("-inf"))
+    return log_p, logp, row_max, tok, kept
+
+
+def _torch_forward(logits, tokens, mask, kept, ref, temperature, kl):
+    V, cdtype = logits.shape[-1], _compute_dtype(logits)
+    x2d = logits.reshape(-1, V)  # a copy (input dtype) only if the leading dims cannot be merged
+    N = x2d.shape[0]
+    rows, chunks = _torch_chunks(mask, N, V if kept is None else kept.shape[1])
+    parts = []
+    for ids in chunks:
+        log_p, logp, row_max, _, _ = _torch_log_probs(x2d, tokens, kept, temperature, cdtype, ids)
+        entropy = log_p.exp().mul_(log_p).sum(dim=1).neg_()                   # -sum p log p
+        parts.append((logp, entropy, row_max))
+    # One chunk (the common small case) needs no concatenation; with a mask the real rows are scattered into zeros.
+    outs = [None if t[0] is None else torch.cat(t) if len(t) > 1 else t[0] for t in zip(*parts)] if parts \
+        else [x2d.new_zeros(0, dtype=cdtype), x2d.new_zeros(0, dtype=cdtype), None]
+    if rows is not None:
+        outs = [None if t is None else x2d.new_zeros(N, dtype=cdtype).index_copy_(0, rows, t) for t in outs]
+    logp, entropy, row_max = outs
+    kl_out = None
+    if ref is not None:
+        kl_out = _kl_value(logp, ref, kl)
+        if mask is not None:
+            kl_out = torch.where(mask, kl_out, 0.0)  # ref may be garbage at masked rows
+    # Saved for the backward: the row max (T != 1) and a copy of the entropy (not the output itself, which the
+    # caller may modify in place).
+    return logp, entropy, kl_out, row_max, entropy.clone()
+
+
+def _torch_backward(logits, tokens, mask, kept, ref, temperature, kl, logp, row_max, entropy, g_logp, g_ent,
+                    g_kl, inplace):
+    V, cdtype = logits.shape[-1], _compute_dtype(logits)
+    x2d = logits.reshape(-1, V)
+    N = x2d.shape[0]
+    rows, chunks = _torch_chunks(mask, N, V if kept is None else kept.shape[1])
+    if g_kl is not None and ref is not None:
+        g_logp = g_logp + g_kl * _kl_dlogp(logp, ref, kl)
+    a, b = g_logp / temperature, g_ent / temperature                             # (N,) each
+    # Masked rows and the vocab outside a kept set get exactly 0; a single dense chunk is the gradient itself. In
+    # place, each chunk's gradient overwrites its logits after they were read (kept ids: never in place, the kept
+    # logits of later chunks would be zeroed before they are read).
+    grad = None
+    if inplace and kept is None:
+        grad = x2d
+        if rows is not None:
+            grad.index_fill_(0, (~mask).nonzero().squeeze(1), 0.0)
+    elif rows is not None or kept is not None or len(chunks) > 1:
+        grad = torch.zeros(N, V, dtype=logits.dtype, device=logits.device)
+    for ids in chunks:
+        log_p, _, _, tok, k = _torch_log_probs(x2d, tokens, kept, temperature, cdtype, ids, row_max)
+        a_c, b_c = a[ids][:, None], b[ids][:, None]                             # (n, 1)
+        p = log_p.exp()                                                         # (n, V)
+        # z - sum p z = log p + entropy, so dz = -p (a + b (log p + H)) (+ a at the sampled token); multiplied by
+        # p first: at clamped -inf logits (log p + H) * b could overflow
+        dz = log_p.add_(entropy[ids][:, None]).mul_(p).mul_(b_c).addcmul_(p, a_c).neg_()
+        if k is None:
+            dz.scatter_add_(1, tok[:, None], a_c)
+            if grad is None:
+                return dz.to(logits.dtype).view(logits.shape)
+            grad[ids] = dz.to(grad.dtype)
+        else:
+            dz.add_((k == tok[:, None]) * a_c).masked_fill_(k < 0, 0.0)
+            row_idx = torch.arange(N, device=grad.device)[ids][:, None].expand_as(k)
+            grad.index_put_((row_idx, k.clamp(min=0)), dz.to(grad.dtype), accumulate=True)
+    return grad.view(logits.shape)
+
+
+# ---------------------------------------------------------------------------------------------------- triton path
+
+if triton is not None:
+    @triton.jit
+    def _logprob_fwd_kernel(
+        x_ptr, n_inner, x_stride_outer, x_stride_inner,
+        tok_ptr, mask_ptr, kept_ptr, kept_stride, ref_ptr,
+        logp_ptr, ent_ptr, kl_ptr, max_ptr, lse_ptr, zbar_ptr,
+        n_cols, inv_temp,
+        HAS_MASK: tl.constexpr, HAS_KEPT: tl.constexpr, HAS_REF: tl.constexpr, KL_K3: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        # One program per row; row r starts at (r // n_inner) * stride_outer + (r % n_inner) * stride_inner, which
+        # reads slices like logits[:, P-1:-1] in place. int64: rows x vocab passes 2^31 quickly.
+        row = tl.program_id(0).to(tl.int64)
+        x_row = x_ptr + (row // n_inner) * x_stride_outer + (row % n_inner) * x_stride_inner
+        tok = tl.load(tok_ptr + row)
+        if HAS_MASK:
+            active = tl.load(mask_ptr + row) != 0
+            n_todo = tl.where(active, n_cols, 0)  # a masked row runs zero iterations: it costs nothing
+            x_tok = tl.load(x_row + tok, mask=active, other=0.0).to(tl.float32)
+        else:
+            n_todo = n_cols
+            x_tok = tl.load(x_row + tok).to(tl.float32)
+        # Online softmax over the row in blocks: m = running max of x (logit units), z = (x - m) / T,
+        # l = sum exp(z), s = sum exp(z) z. When the max grows, old terms scale by alpha and s's old z shift.
+        # (x - m) is exact for the values that matter, so 1/T never rounds a large common offset.
+        m = float("-inf")
+        l = 0.0
+        s = 0.0
+        found = 0
+        for start in range(0, n_todo, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            if HAS_KEPT:  # gather only the K kept logits of this row
+                cols = tl.load(kept_ptr + row * kept_stride + offs, mask=offs < n_cols, other=-1)
+                valid = cols >= 0
+                found += tl.sum((cols == tok).to(tl.int32), axis=0)
+            else:
+                cols = offs
+                valid = offs < n_cols
+            x = tl.load(x_row + cols, mask=valid, other=float("-inf")).to(tl.float32)
+            m_new = tl.maximum(m, tl.max(x, axis=0))
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # all -inf so far: exps are 0, not NaN
+            z = (x - m_ref) * inv_temp
+            z_old = (m - m_ref) * inv_temp
+            alpha = tl.exp(z_old)
+            e = tl.exp(z)
+            shift = tl.where(l > 0, z_old * l, 0.0)  # (-inf * 0 before the first finite value)
+            s = alpha * (s + shift) + tl.sum(tl.where(e > 0, e * z, 0.0), axis=0)  # e = 0: no 0 * -inf
+            l = l * alpha + tl.sum(e, axis=0)
+            m = m_new
+        l = tl.maximum(l, 1e-30)  # only a masked (or all -inf) row has l = 0; keeps its discarded values finite
+        lse = tl.log(l)           # log sum exp((x - m) / T), in [0, log V]
+        zbar = s / l              # sum p z
+        logp = (x_tok - m) * inv_temp - lse
+        if HAS_KEPT:
+            logp = tl.where(found > 0, logp, float("-inf"))  # sampled token outside the kept set
+        ent = lse - zbar
+        if HAS_MASK:
+            logp = tl.where(active, logp, 0.0)
+            ent = tl.where(active, ent, 0.0)
+            m = tl.where(active, m, 0.0)
+        tl.store(logp_ptr + row, logp)
+        tl.store(ent_ptr + row, ent)
+        tl.store(max_ptr + row, m)
+        tl.store(lse_ptr + row, lse)
+        tl.store(zbar_ptr + row, zbar)
+        if HAS_REF:
+            ref = tl.load(ref_ptr + row)
+            if KL_K3:
+                d = ref - logp
+                kl = tl.exp(d) - d - 1.0
+            else:
+                kl = logp - ref
+            if HAS_MASK:
+                kl = tl.where(active, kl, 0.0)
+            tl.store(kl_ptr + row, kl)
+
+    @triton.jit
+    def _logprob_bwd_kernel(
+        x_ptr, dx_ptr, n_inner, x_stride_outer, x_stride_inner, dx_stride_outer, dx_stride_inner,
+        tok_ptr, mask_ptr, kept_ptr, kept_stride, ref_ptr,
+        logp_ptr, max_ptr, lse_ptr, zbar_ptr, glogp_ptr, gent_ptr, gkl_ptr,
+        n_cols, inv_temp,
+        HAS_MASK: tl.constexpr, HAS_KEPT: tl.constexpr, HAS_REF: tl.constexpr, KL_K3: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        # Recomputes p from the saved row max and lse (no saved probabilities): reads the row once, writes d(row)
+        # once. dx may be x itself (in-place backward): each element is read before it is written, by one program.
+        row = tl.program_id(0).to(tl.int64)
+        x_row = x_ptr + (row // n_inner) * x_stride_outer + (row % n_inner) * x_stride_inner
+        dx_row = dx_ptr + (row // n_inner) * dx_stride_outer + (row % n_inner) * dx_stride_inner
+        tok = tl.load(tok_ptr + row)
+        g_logp = tl.load(glogp_ptr + row)
+        g_ent = tl.load(gent_ptr + row)
+        if HAS_REF:  # the KL term's gradient folds into the log-prob's
+            g_kl = tl.load(gkl_ptr + row)
+            if KL_K3:
+                g_logp += g_kl * (1.0 - tl.exp(tl.load(ref_ptr + row) - tl.load(logp_ptr + row)))
+            else:
+                g_logp += g_kl
+        if HAS_MASK:
+            active = tl.load(mask_ptr + row) != 0
+            n_read = tl.where(active, n_cols, 0)
+            # A masked dense row still loops, to write zeros (without reading); with kept ids the gradient buffer
+            # is pre-zeroed, so a masked row does nothing.
+            if HAS_KEPT:
+                n_todo = n_read
+            else:
+                n_todo = n_cols
+            g_logp = tl.where(active, g_logp, 0.0)  # where, not *: the masked rows' values may be NaN
+            g_ent = tl.where(active, g_ent, 0.0)
+        else:
+            n_read = n_cols
+            n_todo = n_cols
+        m = tl.load(max_ptr + row)
+        lse = tl.load(lse_ptr + row)
+        zbar = tl.load(zbar_ptr + row)
+        a = g_logp * inv_temp
+        b = g_ent * inv_temp
+        for start in range(0, n_todo, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            if HAS_KEPT:  # (a masked row never gets here)
+                cols = tl.load(kept_ptr + row * kept_stride + offs, mask=offs < n_cols, other=-1)
+                valid = cols >= 0
+                readable = valid
+            else:
+                cols = offs
+                valid = offs < n_cols
+                readable = offs < n_read  # nothing for a masked row
+            z = (tl.load(x_row + cols, mask=readable, other=float("-inf")).to(tl.float32) - m) * inv_temp
+            p = tl.exp(z - lse)
+            dz = tl.where(p > 0, -p * (a + b * (z - zbar)), 0.0) + tl.where(cols == tok, a, 0.0)
+            tl.store(dx_row + cols, dz.to(dx_ptr.dtype.element_ty), mask=valid)
+
+
+def _row_layout(x):
+    """Rows of x (..., V) as r -> (r // n_inner) * stride_outer + (r % n_inner) * stride_inner. Covers contiguous
+    tensors and a slice along one middle dim (logits[:, P-1:-1], the usual PPO case) without a copy; anything else
+    (a transposed or doubly sliced view) is made contiguous, which costs one read and write of the logits."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    groups = []  # [size, stride] of the leading dims after merging the ones that are contiguous with each other
+    for size, stride in zip(x.shape[:-1], x.stride()[:-1]):
+        if size == 1:
+            continue
+        if groups and groups[-1][1] == stride * size:
+            groups[-1] = [groups[-1][0] * size, stride]
+        else:
+            groups.append([size, stride])
+    if len(groups) > 2:
+        return _row_layout(x.contiguous())
+    if not groups:
+        return x, 1, 0, 0
+    if len(groups) == 1:
+        return x, groups[0][0], 0, groups[0][1]
+    return x, groups[1][0], groups[0][1], groups[1][1]
+
+
+def _launch_args(kept, V, block_v):
+    n_cols = V if kept is None else kept.shape[1]
+    block = max(16, min(block_v, triton.next_power_of_2(n_cols)))
+    return n_cols, block, max(1, min(16, block // 512))  # 4096 -> 8 warps, 8192 -> 16, 256 -> 1
+
+
+def _triton_forward(logits, tokens, mask, kept, ref, temperature, kl, block_v):
+    x, n_inner, stride_outer, stride_inner = _row_layout(logits)
+    N, V = tokens.numel(), logits.shape[-1]
+    assert N < 2**31, "one program per row: grid dim 0 is limited to 2^31 - 1"
+    n_cols, block, num_warps = _launch_args(kept, V, block_v)
+    logp, ent, row_max, lse, zbar = (_empty(N, torch.float32, logits.device) for _ in range(5))
+    kl_out = None if ref is None else _empty(N, torch.float32, logits.device)
+    _logprob_fwd_kernel[(N,)](  # 1-D grid: dim 0 may be up to 2^31 - 1, unlike dims 1 and 2 (65535)
+        x, n_inner, stride_outer, stride_inner,
+        tokens, tokens if mask is None else mask.view(torch.uint8), tokens if kept is None else kept,
+        0 if kept is None else kept.stride(0), tokens if ref is None else ref,
+        logp, ent, logp if kl_out is None else kl_out, row_max, lse, zbar,
+        n_cols, 1.0 / temperature,
+        HAS_MASK=mask is not None, HAS_KEPT=kept is not None, HAS_REF=ref is not None, KL_K3=kl == "k3",
+        BLOCK=block, num_warps=num_warps,
+    )
+    return logp, ent, kl_out, row_max, lse, zbar
+
+
+def _triton_backward(logits, tokens, mask, kept, ref, temperature, kl, logp, row_max, lse, zbar, g_logp, g_ent,
+                     g_kl, inplace, block_v):
+    x, n_inner, stride_outer, stride_inner = _row_layout(logits)
+    N, V = tokens.numel(), logits.shape[-1]
+    n_cols, block, num_warps = _launch_args(kept, V, block_v)
+    if kept is not None:
+        # Only the K kept positions get a gradient; the rest must be 0, so the buffer is zeroed first (and cannot
+        # be the logits themselves, whose kept values the kernel still has to read).
+        dx, dx_outer, dx_inner = torch.zeros(N, V, dtype=logits.dtype, device=logits.device), n_inner * V, V
+    elif inplace:
+        dx, dx_outer, dx_inner = x, stride_outer, stride_inner
+    else:
+        dx, dx_outer, dx_inner = _empty((N, V), logits.dtype, logits.device), n_inner * V, V
+    _logprob_bwd_kernel[(N,)](
+        x, dx, n_inner, stride_outer, stride_inner, dx_outer, dx_inner,
+        tokens, tokens if mask is None else mask.view(torch.uint8), tokens if kept is None else kept,
+        0 if kept is None else kept.stride(0), logp if ref is None else ref,
+        logp, row_max, lse, zbar, g_logp, g_ent, g_logp if g_kl is None else g_kl,
+        n_cols, 1.0 / temperature,
+        HAS_MASK=mask is not None, HAS_KEPT=kept is not None, HAS_REF=ref is not None and g_kl is not None,
+        KL_K3=kl == "k3", BLOCK=block, num_warps=num_warps,
+    )
+    return dx.view(logits.shape)
+
+
+# ---------------------------------------------------------------------------------------------------- dispatch
+
+def _forward(logits, tokens, mask, kept, ref, temperature, kl, backend, block_v):
+    """The one place that picks a backend. Returns logp, entropy, kl (or None), all (N,) in the compute dtype with
+    masked rows 0, then the per-row statistics that the same backend's backward needs: Triton: m = max x (logit
+    units), lse = log sum exp((x - m) / T), zbar = sum p (x - m) / T; torch: the row max (None when T = 1) and the
+    entropy."""
+    if backend == "triton":
+        return _triton_forward(logits, tokens, mask, kept, ref, temperature, kl, block_v)
+    return _torch_forward(logits, tokens, mask, kept, ref, temperature, kl)
+
+
+def _backward(logits, tokens, mask, kept, ref, temperature, kl, backend, block_v, saved, grads, inplace):
+    if backend == "triton":
+        return _triton_backward(logits, tokens, mask, kept, ref, temperature, kl, *saved, *grads, inplace, block_v)
+    return _torch_backward(logits, tokens, mask, kept, ref, temperature, kl, *saved, *grads, inplace)
+
+
+class _TokenLogprobsFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, tokens, mask, kept, ref, temperature, kl, backend, inplace, block_v):
+        logp, ent, kl_out, *stats = _forward(logits, tokens, mask, kept, ref, temperature, kl, backend, block_v)
+        ctx.save_for_backward(logits, tokens, mask, kept, ref, logp, *stats)
+        ctx.args = (temperature, kl, backend, block_v, inplace)
+        return logp, ent, kl_out
+
+    @staticmethod
+    def backward(ctx, g_logp, g_ent, g_kl):
+        logits, tokens, mask, kept, ref, logp, *stats = ctx.saved_tensors
+        temperature, kl, backend, block_v, inplace = ctx.args
+        cdtype = logp.dtype
+        # Upstream gradients may be broadcast views (loss = x.sum()); the kernels want contiguous (N,) vectors.
+        g_logp, g_ent = (g.reshape(-1).to(cdtype).contiguous() for g in (g_logp, g_ent))
+        g_kl = None if (g_kl is None or ref is None) else g_kl.reshape(-1).to(cdtype).contiguous()
+        grad = _backward(logits, tokens, mask, kept, ref, temperature, kl, backend, block_v,
+                         (logp, *stats), (g_logp, g_ent, g_kl), inplace)
+        return grad, *([None] * 9)
+
+
+# ---------------------------------------------------------------------------------------------------- public API
+
+def token_logprobs(logits, tokens, temperature=1.0, *, mask=None, ref_logprobs=None, kl="k1",
+                   kept_ids=None, backend="auto", inplace_backward=False):
+    """Log-prob of each sampled token and the entropy of its distribution, fused, optionally with a KL estimate.
+
+    logits (..., V) float16/bfloat16/float32/float64; tokens (...) int64 ids in [0, V).
+    Returns (logprobs, entropy) each (...) float32 (float64 when logits are float64), or (logprobs, entropy, kl) when
+    ref_logprobs (...) is given: kl is the per-token estimator of KL(pi || ref), kl="k1": logp - ref, or
+    kl="k3": exp(ref - logp) - (ref - logp) - 1 (Schulman's k3, >= 0 and lower variance).
+    temperature: logits are divided by it before the softmax (the same as sampling).
+    mask (...) bool: rows with False are not computed at all (their logits may be NaN/inf garbage); their outputs
+      are exactly 0 and their gradient exactly 0.
+    kept_ids (..., K) int64, -1 = unused slot: the token set the sampler kept (top-k, or top-p ids up to a cap); then
+      logprobs and entropy are of the distribution renormalised over that set (softmax over z[kept] / T only), so a
+      PPO ratio compares the same distributions the sampler drew from. Ids in a row must be distinct, and each real
+      row needs at least one (a row without any finite logit gives NaN). If the sampled token is not in its row's
+      set, its logprob is -inf (and k3 is inf). Cost: Triton reads O(K) gathered logits per row instead of O(V)
+      (random 2-byte reads, so ~K 32-byte sectors per row) and its backward zero-fills the gradient then writes K
+      values per row; the torch path gathers (N, K).
+    All three outputs are differentiable w.r.t. logits; tokens, mask, kept_ids and ref_logprobs are constants.
+    backend: "auto" (Triton when logits.is_cuda and triton imports, else torch; float64 always torch), "triton",
+      "torch".
+    inplace_backward: the backward writes d(logits) into the logits' storage (the caller promises not to reuse
+      logits); saves one logits-sized buffer. Ignored with kept_ids.
+    When grad is disabled or logits do not require grad, nothing is saved for a backward (the scoring fast path).
+    """
+    _check(logits.shape[:-1], tokens, mask, kept_ids, ref_logprobs, kl, temperature)
+    backend = _pick_backend(backend, logits)
+    shape = tokens.shape
+    tokens, mask, kept_ids, ref_logprobs = _flat_inputs(tokens, mask, kept_ids, ref_logprobs,
+                                                        _compute_dtype(logits))
+    args = (tokens, mask, kept_ids, ref_logprobs, float(temperature), kl, backend)
+    if tokens.numel() == 0:
+        out = logits.new_zeros(shape, dtype=_compute_dtype(logits))
+        return (out, out.clone()) if ref_logprobs is None else (out, out.clone(), out.clone())
+    if torch.is_grad_enabled() and logits.requires_grad:
+        logp, ent, kl_out = _TokenLogprobsFn.apply(logits, *args, inplace_backward, BLOCK_V)
+    else:
+        logp, ent, kl_out = _forward(logits, *args, BLOCK_V)[:3]
+    if kl_out is None:
+        return logp.view(shape), ent.view(shape)
+    return logp.view(shape), ent.view(shape), kl_out.view(shape)
+
+
+def _linear_forward(hidden, weight, tokens, kept, ref, temperature, kl, backend, chunk, block_v):
+    """Chunked forward: hidden (n, H) real rows only, weight (V, H). Returns the (n,) outputs of _forward."""
+    n = hidden.shape[0]
+    parts = []
+    for r0 in range(0, max(n, 1), chunk):  # (n = 0: one empty chunk, for outputs of the right kind)
+        r = slice(r0, min(r0 + chunk, n))
+        logits = hidden[r] @ weight.T                                                   # (c, V) in hidden's dtype
+        parts.append(_forward(logits, tokens[r], None, None if kept is None else kept[r],
+                              None if ref is None else ref[r], temperature, kl, "torch" if n == 0 else backend,
+                              block_v))
+    return [None if t[0] is None else torch.cat(t) if len(t) > 1 else t[0] for t in zip(*parts)]
+
+
+class _LinearTokenLogprobsFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, tokens, kept, ref, temperature, kl, backend, chunk, block_v):
+        logp, ent, kl_out, *stats = _linear_forward(hidden, weight, tokens, kept, ref, temperature, kl, backend,
+                                                    chunk, block_v)
+        ctx.save_for_backward(hidden, weight, tokens, kept, ref, logp, *stats)
+        ctx.args = (temperature, kl, backend, chunk, block_v)
+        return logp, ent, kl_out
+
+    @staticmethod
+    def backward(ctx, g_logp, g_ent, g_kl):
+        hidden, weight, tokens, kept, ref, logp, *stats = ctx.saved_tensors
+        temperature, kl, backend, chunk, block_v = ctx.args
+        cdtype = logp.dtype
+        g_logp, g_ent = (g.to(cdtype).contiguous() for g in (g_logp, g_ent))
+        g_kl = None if (g_kl is None or ref is None) else g_kl.to(cdtype).contiguous()
+        need_h, need_w = ctx.needs_input_grad[:2]
+        d_hidden = torch.empty_like(hidden) if need_h else None
+        # Accumulated in the weight's dtype across chunks (as Liger does): exact for fp32, bf16 rounding per chunk.
+        d_weight = torch.zeros_like(weight) if need_w else None
+        for r0 in range(0, hidden.shape[0], chunk):
+            r = slice(r0, min(r0 + chunk, hidden.shape[0]))
+            logits = hidden[r] @ weight.T                                               # (c, V) recomputed
+            d_logits = _backward(logits, tokens[r], None, None if kept is None else kept[r],
+                                 None if ref is None else ref[r], temperature, kl, backend, block_v,
+                                 (logp[r], *(None if t is None else t[r] for t in stats)),
+                                 (g_logp[r], g_ent[r], None if g_kl is None else g_kl[r]),
+                                 inplace=True)                                          # (c, V) in logits' buffer
+            if need_h:
+                d_hidden[r] = d_logits @ weight                                         # (c, H)
+            if need_w:
+                d_weight.addmm_(d_logits.T, hidden[r])                                  # (V, H)
+        return d_hidden, d_weight, *([None] * 8)
+
+
+def linear_token_logprobs(hidden, weight, tokens, temperature=1.0, *, mask=None, ref_logprobs=None, kl="k1",
+                          kept_ids=None, backend="auto", chunk_tokens=1024):
+    """Same outputs as token_logprobs(hidden @ weight.T, tokens, ...) but never holds the full (tokens, vocab) logits.
+
+    hidden (..., H), weight (V, H) (an lm_head weight, no bias). Masked-out rows are dropped before any matmul. The
+    real rows are cut into chunks of at most chunk_tokens rows, further capped so one chunk's float32 logits stay
+    under 256 MB (at V = 152k: 441 rows); each chunk's logits (in hidden's dtype) go through the log-prob kernel.
+    The backward recomputes each chunk's logits (one extra matmul per chunk), writes d(logits) into that buffer
+    (Triton, in place), and accumulates d(hidden) = d(logits) @ W and d(weight) += d(logits).T @ hidden. Extra memory
+    ~ one chunk of logits plus d(weight) (which eager autograd needs too). The vocab is never chunked: one row of
+    logits (V floats, < 1 MB for any real tokenizer) always fits in a chunk.
+    Differentiable w.r.t. hidden and weight; see token_logprobs for the other arguments and the outputs.
+    """
+    V, H = weight.shape
+    if hidden.shape[-1] != H:
+        raise ValueError(f"hidden has {hidden.shape[-1]} features, weight (V, H) has H = {H}")
+    _check(hidden.shape[:-1], tokens, mask, kept_ids, ref_logprobs, kl, temperature)
+    backend = _pick_backend(backend, weight)
+    shape, cdtype = tokens.shape, _compute_dtype(weight)
+    tokens, mask, kept_ids, ref_logprobs = _flat_inputs(tokens, mask, kept_ids, ref_logprobs, cdtype)
+    hidden2d = hidden.reshape(-1, H)                                                    # (N, H)
+    rows = None if mask is None else mask.nonzero().squeeze(1)
+    if rows is not None:  # index_select's backward scatters into zeros: masked rows get exactly 0 gradient
+        hidden2d, tokens = hidden2d.index_select(0, rows), tokens[rows]
+        kept_ids = None if kept_ids is None else kept_ids[rows]
+        ref_logprobs = None if ref_logprobs is None else ref_logprobs[rows]
+    chunk = max(1, min(chunk_tokens, _LINEAR_CHUNK_BYTES // (4 * V)))
+    args = (tokens, kept_ids, ref_logprobs, float(temperature), kl, backend, chunk, BLOCK_V)
+    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+        outs = _LinearTokenLogprobsFn.apply(hidden2d, weight, *args)
+    else:  # scoring: nothing saved
+        outs = _linear_forward(hidden2d, weight, *args)[:3]
+    if rows is not None:  # scatter the real rows back; masked rows are exactly 0
+        outs = [None if o is None else o.new_zeros(mask.shape[0]).index_copy(0, rows, o) for o in outs]
+    return tuple(o.view(shape) for o in outs if o is not None)
+
+
+# ---------------------------------------------------------------------------------------------------- benchmark
+
+def _eager_logprobs(logits, tokens, temperature=1.0):
+    """What RL libraries usually write; the baseline of the benchmark."""
+    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)                 # (N, V) float32
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp_all.gather(-1, tokens[..., None]).squeeze(-1), entropy
+
+
+def _self_check(device):
+    """Triton path vs the float64 torch path on a small problem (masked rows, T = 0.7, k3 against a nearby ref, with
+    and without kept ids): max |error| / max |reference| of the outputs and of d(logits)."""
+    worst = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        for use_kept in (False, True):
+            x = (torch.randn(64, 1000, device=device) * 3).to(dtype)
+            tok = torch.randint(0, 1000, (64,), device=device)
+            mask = torch.rand(64, device=device) > 0.2
+            kept = None
+            if use_kept:  # 31 distinct ids per row, the sampled one first, the last 11 unused in half the rows
+                order = torch.rand(64, 1000, device=device).scatter_(1, tok[:, None], -1.0).argsort(dim=1)
+                kept = order[:, :31].clone()
+                kept[::2, 20:] = -1
+            ref = token_logprobs(x.double(), tok, 0.7, kept_ids=kept, backend="torch")[0]
+            ref = ref + 0.3 * torch.randn_like(ref)
+            upstream = [torch.randn(64, device=device, dtype=torch.float64) for _ in range(3)]
+            results = []
+            for xx, backend in ((x.clone().requires_grad_(), "triton"), (x.double().requires_grad_(), "torch")):
+                outs = token_logprobs(xx, tok, 0.7, mask=mask, ref_logprobs=ref, kl="k3", kept_ids=kept,
+                                      backend=backend)
+                (grad,) = torch.autograd.grad(sum((o.double() * g).sum() for o, g in zip(outs, upstream)), xx)
+                results.append([o.double() for o in outs] + [grad.double()])
+            for name, got, want in zip(("logp", "entropy", "kl", "d logits"), *results):
+                key = f"{str(dtype)[6:]} {name}"
+                err = float((got - want).abs().max() / want.abs().max())
+                worst[key] = max(worst.get(key, 0.0), err)
+    return worst
+
+
+def _time_ms(fn, device, reps):
+    fn()  # warm-up (compiles, autotunes, allocates)
+    times = []
+    for _ in range(reps):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _peak_mb(fn, device):
+    """Peak bytes allocated by torch during fn, above what was live before it. CUDA: the caching allocator's
+    max_memory_allocated. CPU: the allocator's running 'Total Allocated' recorded with every allocation and free by
+    torch.profiler(profile_memory=True) (read from its trace); it sees torch's allocations only."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fn()
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - base) / 2**20
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    with tempfile.TemporaryDirectory() as tmp:
+        prof.export_chrome_trace(os.path.join(tmp, "trace.json"))
+        with open(os.path.join(tmp, "trace.json")) as f:
+            events = [e["args"] for e in json.load(f)["traceEvents"] if e.get("name") == "[memory]"]
+    if not events:
+        return 0.0
+    base = events[0]["Total Allocated"] - events[0]["Bytes"]
+    return (max(e["Total Allocated"] for e in events) - base) / 2**20
+
+
+def _bench_methods(device):
+    """name -> f(logits, tokens) returning outputs to sum for the backward, or a string saying why it is absent."""
+    methods = {"eager": _eager_logprobs}
+    try:
+        methods["torch.compile(eager)"] = torch.compile(_eager_logprobs)
+    except Exception as e:  # noqa: BLE001 - report whatever breaks
+        methods["torch.compile(eager)"] = f"fail: {type(e).__name__}"
+    methods["ours, torch path"] = lambda x, t: token_logprobs(x, t, backend="torch")
+    methods["ours, triton"] = (lambda x, t: token_logprobs(x, t, backend="triton")) if device == "cuda" else \
+        "n/a (needs a GPU)"
+    try:  # flash-attn's and Liger's Triton cross-entropy: the NLL only (no entropy), for reference
+        from flash_attn.ops.triton.cross_entropy import cross_entropy_loss
+        methods["flash-attn cross_entropy (NLL only)"] = lambda x, t: (cross_entropy_loss(x, t)[0],)
+    except Exception:  # noqa: BLE001
+        methods["flash-attn cross_entropy (NLL only)"] = "n/a (not importable)"
+    try:
+        from liger_kernel.transformers.functional import liger_cross_entropy
+        methods["Liger cross_entropy (NLL only)"] = lambda x, t: (liger_cross_entropy(x, t, reduction="sum"),)
+    except Exception:  # noqa: BLE001
+        methods["Liger cross_entropy (NLL only)"] = "n/a (not importable)"
+    return methods
+
+
+def _bench_one(fn, make_input, device, reps, with_backward):
+    """(ms, peak MB) of fn, forward only (no grad) or forward + backward of the sum of its outputs."""
+    def step():
+        inputs = make_input()
+        if not with_backward:
+            with torch.no_grad():
+                return fn(*inputs)
+        sum(o.float().sum() for o in fn(*inputs)).backward()
+    try:
+        return _time_ms(step, device, reps), _peak_mb(step, device)
+    except torch.OutOfMemoryError:
+        return "OOM", "OOM"
+    except Exception as e:  # noqa: BLE001 - e.g. torch.compile without a working compiler
+        return f"fail: {type(e).__name__}", "-"
+
+
+def _bench(args):
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    reps = 5 if device == "cuda" else 3
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    if device == "cuda":
+        shapes = [(n, v, "bf16") for v in (32000, 151936) for n in (8192, 32768, 65536)] + [(8192, 32000, "fp32")]
+    else:  # small enough for a laptop; the last one is the CPU demo's shape (many tiny calls)
+        shapes = [(512, 32000, "fp32"), (2048, 8192, "bf16"), (2048, 16, "fp32")]
+    if args.tokens or args.vocab or args.dtype:
+        shapes = [(args.tokens or shapes[0][0], args.vocab or shapes[0][1], args.dtype or shapes[0][2])]
+    print(f"device: {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, torch {torch.__version__}, "
+          f"triton {getattr(triton, '__version__', 'not installed')}")
+    print("time: median of", reps, "runs after a warm-up,", "CUDA events" if device == "cuda" else "perf_counter")
+    print("peak MB: torch allocations above the inputs during the call,",
+          "torch.cuda.max_memory_allocated" if device == "cuda" else "from torch.profiler memory events (CPU)")
+    print("GB/s (GPU only): logits bytes read (fwd), or read twice + gradient written (fwd+bwd), over the time, "
+          "and in % of the copy's (read + write) GB/s on the same logits")
+    methods = _bench_methods(device)
+    head = f"{'tokens x vocab dtype':>22} | {'method':<36} | {'fwd ms':>9} {'MB':>8} {'GB/s':>12} | " \
+           f"{'fwd+bwd ms':>10} {'MB':>8} {'GB/s':>12}"
+    print(head + "\n" + "-" * len(head))
+    fmt = lambda v, spec: format(v, spec) if isinstance(v, float) else str(v)  # noqa: E731
+    for n, v, dt in shapes:
+        logits = (torch.randn(n, v, device=device) * 2).to(dtypes[dt])
+        tokens = torch.randint(0, v, (n,), device=device)
+        nbytes = logits.numel() * logits.element_size()
+        copy_ms = _time_ms(lambda: torch.empty_like(logits).copy_(logits), device, reps)
+        copy_gbs = 2 * nbytes / copy_ms / 1e6
+        print(f"{f'{n} x {v} {dt}':>22} | {'copy (empty_like + copy_)':<36} | {copy_ms:9.3f} {'':>8} "
+              f"{(f'{copy_gbs:.0f}' if device == 'cuda' else '-'):>12} |")
+        for name, fn in methods.items():
+            if isinstance(fn, str):  # why the method is absent
+                print(f"{'':>22} | {name:<36} | {fn}")
+                continue
+            row = []
+            for with_backward, traffic in ((False, nbytes), (True, 3 * nbytes)):
+                make = (lambda: (logits.detach().requires_grad_(), tokens)) if with_backward else \
+                    (lambda: (logits, tokens))
+                ms, mb = _bench_one(fn, make, device, reps, with_backward)
+                gbs = f"{traffic / ms / 1e6:.0f} ({100 * traffic / ms / 1e6 / copy_gbs:.0f}%)" \
+                    if isinstance(ms, float) and device == "cuda" else "-"
+                row += [fmt(ms, "9.3f"), fmt(mb, "8.1f"), gbs]
+            print(f"{'':>22} | {name:<36} | {row[0]:>9} {row[1]:>8} {row[2]:>12} | {row[3]:>10} {row[4]:>8} "
+                  f"{row[5]:>12}")
+        del logits
+    _bench_linear(device, reps)
+    print("\nTriton vs float64 reference (64 x 1000, masked rows, T=0.7, k3, with and without kept ids), "
+          "max |err| / max |ref|:")
+    if device == "cuda":
+        worst = _self_check(device)
+    else:  # the interpreter must be switched on before triton is imported: a fresh process
+        env = dict(os.environ, TRITON_INTERPRET="1")
+        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--self-check"], env=env,
+                              capture_output=True, text=True)
+        worst = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else \
+            {"failed": proc.stderr[-500:]}
+    print(("  (TRITON_INTERPRET=1 on CPU) " if device == "cpu" else "  ") +
+          ", ".join(f"{k} {v:.1e}" if isinstance(v, float) else f"{k} {v}" for k, v in worst.items()))
+    if device == "cpu":
+        print("GPU goals (fwd >= 90% and fwd+bwd >= 80% of copy bandwidth on an H200): not measured here")
+
+
+def _bench_linear(device, reps):
+    """linear_token_logprobs against hidden @ W.T + eager log-probs, forward + backward (fixed shapes)."""
+    if device == "cuda":
+        shapes, dtype = [(8192, 32000, 4096), (8192, 151936, 4096)], torch.bfloat16
+    else:
+        shapes, dtype = [(512, 32000, 256)], torch.float32
+    print(f"\nfused linear (hidden @ W.T inside), forward + backward w.r.t. hidden and W, {str(dtype)[6:]}:")
+    for n, v, h in shapes:
+        hidden = torch.randn(n, h, device=device, dtype=dtype)
+        weight = torch.randn(v, h, device=device, dtype=dtype) / h**0.5
+        tokens = torch.randint(0, v, (n,), device=device)
+        make = lambda: (hidden.detach().requires_grad_(), weight.detach().requires_grad_())  # noqa: E731
+        res = {}
+        for name, fn in (("eager", lambda hd, w: _eager_logprobs(hd @ w.T, tokens)),
+                         ("linear_token_logprobs", lambda hd, w: linear_token_logprobs(hd, w, tokens))):
+            res[name] = _bench_one(fn, make, device, reps, True)
+        grads_mb = (v * h + n * h) * hidden.element_size() / 2**20  # d(W) and d(hidden): needed by any method
+        ok = all(isinstance(r[1], float) for r in res.values())
+        extra = {k: r[1] - grads_mb for k, r in res.items()} if ok else {}
+        print(f"  {n} x {v}, H={h}: " + "; ".join(f"{k} {r[0]:.1f} ms, peak {r[1]:.0f} MB" if isinstance(r[0], float)
+                                                  else f"{k} {r[0]}" for k, r in res.items()))
+        if ok:
+            print(f"    peak beyond the {grads_mb:.0f} MB of gradients: eager {extra['eager']:.0f} MB, fused "
+                  f"{extra['linear_token_logprobs']:.0f} MB, ratio "
+                  f"{extra['eager'] / max(extra['linear_token_logprobs'], 1e-9):.1f}x (GPU goal at 152k: >= 16x)")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="Benchmark and self-check of the fused log-prob kernels.")
+    parser.add_argument("--bench", action="store_true", help="print the benchmark table")
+    parser.add_argument("--tokens", type=int, help="benchmark only this many tokens (rows)")
+    parser.add_argument("--vocab", type=int, help="benchmark only this vocab size")
+    parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="benchmark only this logits dtype")
+    parser.add_argument("--self-check", action="store_true", help="print Triton-vs-reference errors (as JSON)")
+    cli = parser.parse_args()
+    if cli.self_check:
+        print(json.dumps(_self_check("cuda" if torch.cuda.is_available() else "cpu")))
+    elif cli.bench:
+        _bench(cli)
+    else:
+        parser.print_help()

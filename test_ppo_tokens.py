@@ -1,0 +1,782 @@
+"""Tests for ppo_tokens.py and kernels.py: every numeric piece against a plain reference (float64 where it matters),
+every PPO detail with a test that fails when it breaks, and the real entry point on tiny budgets.
+Run: python -m pytest -q test_ppo_tokens.py   (CPU; Triton kernels run under TRITON_INTERPRET=1)"""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: its kernels then run on CPU tensors
+
+import json
+import math
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import kernels
+import ppo_tokens as pt
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPT = os.path.join(HERE, "ppo_tokens.py")
+
+
+def tiny_llama(vocab_size, seed=0, dtype=torch.float64, **overrides):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(seed)
+    config = dict(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64, tie_word_embeddings=False)
+    config.update(overrides)
+    return LlamaForCausalLM(LlamaConfig(**config)).to(dtype).eval()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return pt.build_demo_tokenizer()
+
+
+def demo_rollout(tokenizer, policy, texts, temperature=1.0, top_k=0, top_p=1.0, T=4, seed=0):
+    ids, mask = pt.left_pad(pt.format_prompts(tokenizer, texts, False, 64), tokenizer.pad_token_id, "cpu")
+    batch = pt.generate(policy, ids, mask, max_new_tokens=T, temperature=temperature, eos_id=tokenizer.eos_token_id,
+                        pad_id=tokenizer.pad_token_id, generator=torch.Generator().manual_seed(seed),
+                        top_k=top_k, top_p=top_p)
+    batch.prompts, batch.completions = texts, pt.decode_completions(tokenizer, batch)
+    return batch
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GAE, rewards, KL, whitening, losses: against hand-computed values and textbook formulas
+
+
+def test_gae_and_returns_match_hand_computed_example():
+    rewards = torch.tensor([[0.0, 0.0, 1.0], [0.5, 0.0, 99.0]], dtype=torch.float64)  # 99: garbage on a pad
+    values = torch.tensor([[0.1, 0.2, 0.3], [0.4, 0.5, 77.0]], dtype=torch.float64)  # 77: garbage on a pad
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    adv, ret = pt.gae(rewards, values, mask, gamma=0.9, lam=0.8)
+    # by hand, gamma*lam = 0.72. Row 0: d2 = 1 - .3 = .7; d1 = .9*.3 - .2 = .07; d0 = .9*.2 - .1 = .08
+    #   A2 = .7, A1 = .07 + .72*.7 = .574, A0 = .08 + .72*.574 = .49328
+    # Row 1 ends at t=1, so V_2 counts as 0: d1 = -.5, d0 = .5 + .9*.5 - .4 = .55; A1 = -.5, A0 = .55 - .72*.5 = .19
+    expected_adv = torch.tensor([[0.49328, 0.574, 0.7], [0.19, -0.5, 0.0]], dtype=torch.float64)
+    expected_ret = torch.tensor([[0.59328, 0.774, 1.0], [0.59, 0.0, 0.0]], dtype=torch.float64)
+    torch.testing.assert_close(adv, expected_adv, rtol=0, atol=1e-12)
+    torch.testing.assert_close(ret, expected_ret, rtol=0, atol=1e-12)
+
+
+def test_reward_lands_on_last_real_token_never_on_pad():
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]])
+    kl = torch.rand(3, 4, dtype=torch.float64)
+    scores = torch.tensor([2.0, 3.0, -1.0], dtype=torch.float64)
+    rewards = pt.per_token_rewards(scores, kl, mask, kl_coef=0.1)
+    expected = torch.where(mask.bool(), -0.1 * kl, 0.0)
+    expected[0, 1] += 2.0
+    expected[1, 3] += 3.0
+    expected[2, 0] += -1.0
+    torch.testing.assert_close(rewards, expected, rtol=0, atol=1e-12)
+    assert (rewards[~mask.bool()] == 0).all()
+
+
+def test_kl_estimators_formulas_and_unbiasedness():
+    logp = torch.randn(1000, dtype=torch.float64)
+    ref = torch.randn(1000, dtype=torch.float64)
+    torch.testing.assert_close(pt.kl_estimate(logp, ref, "k1"), logp - ref)
+    torch.testing.assert_close(pt.kl_estimate(logp, ref, "k3"), torch.exp(ref - logp) - (ref - logp) - 1)
+    assert (pt.kl_estimate(logp, ref, "k3") >= 0).all()
+    # both are unbiased estimators of KL(p || q) on samples from p
+    p = torch.softmax(torch.randn(6, dtype=torch.float64), 0)
+    q = torch.softmax(torch.randn(6, dtype=torch.float64), 0)
+    true_kl = float((p * (p / q).log()).sum())
+    x = torch.multinomial(p, 400_000, replacement=True)
+    for k in ("k1", "k3"):
+        estimate = float(pt.kl_estimate(p.log()[x], q.log()[x], k).mean())
+        assert abs(estimate - true_kl) < 0.02 + 0.05 * true_kl, (k, estimate, true_kl)
+
+
+def test_advantage_whitening_uses_real_tokens_only():
+    x = torch.randn(4, 6, dtype=torch.float64)
+    mask = torch.tensor([[1] * 6, [1, 1, 1, 0, 0, 0], [1, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 0]])
+    out = pt.masked_whiten(x, mask)
+    garbage = torch.where(mask.bool(), x, torch.full_like(x, 1e6))
+    torch.testing.assert_close(pt.masked_whiten(garbage, mask), out)  # pads change nothing
+    real = out[mask.bool()]
+    assert abs(float(real.mean())) < 1e-12 and abs(float(real.std()) - 1) < 1e-6  # unbiased std over real tokens
+    assert (out[~mask.bool()] == 0).all()
+
+
+def test_policy_loss_equals_textbook_formula():
+    torch.manual_seed(0)
+    B, T, eps = 5, 7, 0.2
+    logp = torch.randn(B, T, dtype=torch.float64) * 0.3
+    old = logp + torch.randn(B, T, dtype=torch.float64) * 0.3
+    adv = torch.randn(B, T, dtype=torch.float64)
+    mask = (torch.rand(B, T) > 0.3).long()
+    mask[:, 0] = 1
+    loss, stats = pt.policy_loss(logp, old, adv, mask, eps)
+    # textbook (Schulman et al. 2017, eq. 7), element by element: maximise min(r A, clip(r, 1-e, 1+e) A)
+    terms, clipped, kls = [], [], []
+    for b in range(B):
+        for t in range(T):
+            if mask[b, t]:
+                r = math.exp(logp[b, t] - old[b, t])
+                a = float(adv[b, t])
+                terms.append(min(r * a, min(max(r, 1 - eps), 1 + eps) * a))
+                clipped.append(float(min(max(r, 1 - eps), 1 + eps) * a < r * a))
+                kls.append((r - 1) - math.log(r))
+    assert abs(float(loss) - (-sum(terms) / len(terms))) < 1e-12
+    assert abs(float(stats["clipfrac"]) - sum(clipped) / len(clipped)) < 1e-12
+    assert abs(float(stats["approx_kl"]) - sum(kls) / len(kls)) < 1e-12
+    # a micro-batch's share: sum over its tokens / the minibatch's token count
+    half_loss, _ = pt.policy_loss(logp[:2], old[:2], adv[:2], mask[:2], eps, n_tokens=mask.sum())
+    rest_loss, _ = pt.policy_loss(logp[2:], old[2:], adv[2:], mask[2:], eps, n_tokens=mask.sum())
+    torch.testing.assert_close(half_loss + rest_loss, loss)
+
+
+def test_value_loss_is_clipped_textbook_formula():
+    torch.manual_seed(1)
+    v, old_v, ret = (torch.randn(4, 5, dtype=torch.float64) for _ in range(3))
+    mask = torch.ones(4, 5, dtype=torch.long)
+    mask[1, 3:] = 0
+    c = 0.2
+    loss, _ = pt.value_loss(v, old_v, ret, mask, c)
+    terms = []
+    for b in range(4):
+        for t in range(5):
+            if mask[b, t]:
+                vc = float(old_v[b, t]) + min(max(float(v[b, t] - old_v[b, t]), -c), c)
+                terms.append(max((float(v[b, t]) - float(ret[b, t])) ** 2, (vc - float(ret[b, t])) ** 2))
+    assert abs(float(loss) - 0.5 * sum(terms) / len(terms)) < 1e-12
+    # a prediction far outside the clip range gets no gradient from the clipped branch when that one is worse
+    v1 = torch.tensor([[5.0]], dtype=torch.float64, requires_grad=True)
+    l1, _ = pt.value_loss(v1, torch.zeros(1, 1, dtype=torch.float64), torch.tensor([[10.0]], dtype=torch.float64),
+                          torch.ones(1, 1), c)
+    l1.backward()
+    assert float(v1.grad) == 0.0 and abs(float(l1.detach()) - 0.5 * (10 - 0.2) ** 2) < 1e-12
+
+
+def test_explained_variance():
+    ret = torch.randn(3, 4, dtype=torch.float64)
+    mask = torch.ones(3, 4)
+    assert abs(float(pt.explained_variance(ret, ret, mask)) - 1.0) < 1e-12
+    assert abs(float(pt.explained_variance(torch.full_like(ret, float(ret.mean())), ret, mask))) < 1e-12
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# kernels.py: Triton (under TRITON_INTERPRET=1 on CPU) and the torch path against the float64 torch path
+
+# Under the interpreter, the where() branches that a kernel discards are still computed by numpy (0 * -inf, ...).
+pytestmark = [pytest.mark.filterwarnings(f"ignore:{m}:RuntimeWarning")
+              for m in ("invalid value encountered", "divide by zero encountered", "overflow encountered")]
+
+V, BLOCK = 1000, 256  # a vocab that is not a multiple of the (test-sized) block
+
+
+@pytest.fixture
+def kernel_env(monkeypatch):
+    seed = time.time_ns() % 2**31
+    print(f"seed = {seed}")
+    torch.manual_seed(seed)
+    # Small blocks so several vocab blocks and a ragged tail are exercised; poisoned outputs so every row that the
+    # kernels should write but do not shows up as NaN.
+    monkeypatch.setattr(kernels, "BLOCK_V", BLOCK)
+    monkeypatch.setattr(kernels, "_POISON", True)
+
+
+def close(actual, expected, rtol, atol, what):
+    torch.testing.assert_close(actual.double(), expected.double(), rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
+
+
+def make_inputs(n, vocab, dtype, scale=3.0, offset=0.0, masked=True):
+    """logits (n, vocab), tokens, mask with ~1/4 rows off (their logits NaN/inf garbage), and ref log-probs near the
+    policy's (as in PPO, so k3 = O(1) and its gradient does not drown the entropy's)."""
+    logits = (torch.randn(n, vocab) * scale + offset).to(dtype)
+    tokens = torch.randint(0, vocab, (n,))
+    ref = torch.log_softmax(logits.double() / 0.7, -1).gather(1, tokens[:, None]).squeeze(1).float()
+    ref += 0.5 * torch.randn(n)
+    mask = torch.rand(n) > 0.25 if masked else None
+    if masked:
+        logits[~mask] = float("nan")
+        logits[~mask, :3] = float("inf")
+        tokens[~mask] = 10**9  # garbage ids too: never read
+        ref[~mask] = float("nan")
+    return logits, tokens, mask, ref
+
+
+def grads_of(outs, inputs, upstream):
+    """d(sum_i upstream_i * out_i) / d(inputs): a random upstream gradient on all outputs at once."""
+    loss = sum((o.double() * g).sum() for o, g in zip(outs, upstream))
+    return torch.autograd.grad(loss, inputs)
+
+
+def reference(logits, tokens, temperature, **kw):
+    """Float64 torch path on the SAME (possibly bf16-rounded) values, with its gradient w.r.t. the logits."""
+    x = logits.detach().double().requires_grad_()
+    return x, kernels.token_logprobs(x, tokens, temperature, backend="torch", **kw)
+
+
+@pytest.mark.usefixtures("kernel_env")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("kl", ["k1", "k3"])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_triton_matches_reference(dtype, kl, inplace):
+    logits, tokens, mask, ref = make_inputs(48, V, dtype)
+    x_ref, want = reference(logits, tokens, 0.7, mask=mask, ref_logprobs=ref, kl=kl)
+    base = logits.clone().requires_grad_()
+    x = base * 1  # a non-leaf: the in-place backward overwrites its storage, which is then the returned gradient
+    got = kernels.token_logprobs(x, tokens, 0.7, mask=mask, ref_logprobs=ref, kl=kl, backend="triton",
+                                 inplace_backward=inplace)
+    for g, w, name in zip(got, want, ["logp", "entropy", "kl"]):
+        assert g.dtype == torch.float32 and g.shape == tokens.shape
+        # kernel accumulates in fp32 from the exact input values: ~1e-6; 2e-5 leaves room for the k3 exp
+        close(g, w, rtol=2e-5, atol=2e-5, what=name)
+        assert (g[~mask] == 0).all(), f"{name} at masked rows must be exactly 0"
+    upstream = [torch.randn(tokens.shape, dtype=torch.float64) for _ in range(3)]
+    (d_x,) = grads_of(got, [x], upstream)
+    (d_ref,) = grads_of(want, [x_ref], upstream)
+    if inplace:
+        assert d_x.data_ptr() == x.data_ptr(), "in-place backward must write into the logits' storage"
+    # fp32 grads: p = exp(z - lse) inherits the fp32 rounding of lse times the upstream gradient (seen ~2e-5
+    # relative), and at the sampled token a - p * a cancels when p ~ 1 (a few eps x |a|, |a| up to ~15: seen 3e-6
+    # absolute), so rtol 1e-4, atol 1e-5; bf16 grads are stored in bf16 (rel. rounding 2^-9), so rtol 1e-2
+    tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-4)
+    close(d_x, d_ref, what="d logits", **tol)
+    assert (d_x[~mask] == 0).all(), "masked rows must get exactly 0 gradient"
+
+
+@pytest.mark.usefixtures("kernel_env")
+@pytest.mark.parametrize("inplace", [False, True])
+def test_torch_fallback_fp32_matches_reference(inplace, monkeypatch):
+    monkeypatch.setattr(kernels, "_TORCH_CHUNK_ELEMS", 7 * V)  # several row chunks, the last one ragged
+    logits, tokens, mask, ref = make_inputs(40, V, torch.float32)
+    x_ref, want = reference(logits, tokens, 0.7, mask=mask, ref_logprobs=ref, kl="k3")
+    x = logits.clone().requires_grad_() * 1
+    got = kernels.token_logprobs(x, tokens, 0.7, mask=mask, ref_logprobs=ref, kl="k3", backend="torch",
+                                 inplace_backward=inplace)
+    for g, w, name in zip(got, want, ["logp", "entropy", "kl"]):
+        close(g, w, rtol=2e-5, atol=2e-5, what=name)  # fp32 math on exact inputs
+        assert (g[~mask] == 0).all()
+    upstream = [torch.randn(tokens.shape, dtype=torch.float64) for _ in range(3)]
+    (d_x,) = grads_of(got, [x], upstream)
+    close(d_x, grads_of(want, [x_ref], upstream)[0], rtol=1e-4, atol=1e-5, what="d logits")  # as above
+    assert (d_x[~mask] == 0).all(), "masked rows must get exactly 0 gradient"
+
+
+@pytest.mark.usefixtures("kernel_env")
+def test_reference_matches_eager_log_softmax():
+    """The float64 reference itself against the textbook formula, unmasked."""
+    logits, tokens, _, ref = make_inputs(16, 50, torch.float64, masked=False)
+    x = logits.clone().requires_grad_()
+    logp, ent, kl3 = kernels.token_logprobs(x, tokens, 0.7, ref_logprobs=ref, kl="k3", backend="torch")
+    lp_all = torch.log_softmax(x / 0.7, dim=-1)
+    want_logp = lp_all.gather(1, tokens[:, None]).squeeze(1)
+    want = [want_logp, -(lp_all.exp() * lp_all).sum(-1), (ref - want_logp).exp() - (ref - want_logp) - 1]
+    for g, w, name in zip((logp, ent, kl3), want, ["logp", "entropy", "kl"]):
+        close(g, w, rtol=1e-12, atol=1e-12, what=name)  # both float64
+    upstream = [torch.randn(16, dtype=torch.float64) for _ in range(3)]
+    close(grads_of((logp, ent, kl3), [x], upstream)[0], grads_of(want, [x], upstream)[0], rtol=1e-10, atol=1e-12,
+          what="d logits")
+
+
+@pytest.mark.usefixtures("kernel_env")
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_large_magnitude_logits(backend):
+    logits, tokens, mask, _ = make_inputs(32, V, torch.float32, scale=1e3, offset=1e4)
+    x_ref, want = reference(logits, tokens, 0.7, mask=mask)
+    x = logits.clone().requires_grad_()
+    got = kernels.token_logprobs(x, tokens, 0.7, mask=mask, backend=backend)
+    for g, w, name in zip(got, want, ["logp", "entropy"]):
+        # x - max(x) is exact in fp32, so only fp32 rounding relative to the result remains (|logp| up to ~1e4)
+        close(g, w, rtol=1e-5, atol=1e-5, what=name)
+    upstream = [torch.randn(tokens.shape, dtype=torch.float64) for _ in range(2)]
+    close(grads_of(got, [x], upstream)[0], grads_of(want, [x_ref], upstream)[0], rtol=1e-4, atol=1e-5,
+          what="d logits")  # as in the fp32 test above
+
+
+def make_kept(tokens, vocab, k, drop_sampled=()):
+    """Distinct kept ids per row with the sampled token among them (except rows in drop_sampled), -1 padded."""
+    n = tokens.shape[0]
+    kept = torch.full((n, k), -1, dtype=torch.long)
+    for i in range(n):
+        size = int(torch.randint(2, k + 1, ()))
+        ids = torch.randperm(vocab)[:size]
+        tok = int(tokens[i]) % vocab
+        ids = ids[ids != tok][: size - 1]
+        ids = ids if i in drop_sampled else torch.cat([ids, torch.tensor([tok])])
+        kept[i, :ids.numel()] = ids[torch.randperm(ids.numel())]
+    return kept
+
+
+@pytest.mark.usefixtures("kernel_env")
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kept_set(backend, dtype):
+    n, k = 40, 300  # K > BLOCK: the kept loop also runs several blocks
+    logits, tokens, mask, ref = make_inputs(n, V, dtype)
+    kept = make_kept(tokens, V, k)
+    x = logits.clone().requires_grad_()
+    got = kernels.token_logprobs(x, tokens, 0.7, mask=mask, ref_logprobs=ref, kl="k3", kept_ids=kept,
+                                 backend=backend)
+    # Reference 1: the float64 kept path. Reference 2: the dense float64 path on logits that are -inf outside the
+    # kept set, i.e. the definition of "renormalised over the kept set".
+    x_ref, want = reference(logits, tokens, 0.7, mask=mask, ref_logprobs=ref, kl="k3", kept_ids=kept)
+    masked_logits = torch.full(logits.shape, float("-inf"), dtype=torch.float64)
+    outside = torch.ones(logits.shape, dtype=torch.bool)  # where the gradient must be exactly 0
+    for i in torch.where(mask)[0]:
+        ids = kept[i][kept[i] >= 0]
+        masked_logits[i, ids] = logits[i, ids].double()
+        outside[i, ids] = False
+    x_dense, want_dense = reference(masked_logits, tokens, 0.7, mask=mask, ref_logprobs=ref, kl="k3")
+    upstream = [torch.randn(n, dtype=torch.float64) for _ in range(3)]
+    d_x, (d_ref,), (d_dense,) = grads_of(got, [x], upstream)[0], grads_of(want, [x_ref], upstream), \
+        grads_of(want_dense, [x_dense], upstream)
+    for g, w, wd, name in zip(got, want, want_dense, ["logp", "entropy", "kl"]):
+        close(g, w, rtol=2e-5, atol=2e-5, what=name)  # fp32 math on exact inputs
+        close(w, wd, rtol=1e-10, atol=1e-10, what=name + " (kept path vs -inf masked dense)")
+    tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-4)  # bf16-stored grads
+    close(d_x, d_ref, what="d logits", **tol)
+    close(d_ref, d_dense, rtol=1e-10, atol=1e-12, what="d logits (kept vs dense)")
+    assert (d_x[outside] == 0).all(), "gradient outside the kept set (and at masked rows) must be exactly 0"
+
+
+@pytest.mark.usefixtures("kernel_env")
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_kept_set_without_sampled_token_is_minus_inf(backend):
+    logits, tokens, _, _ = make_inputs(12, V, torch.float32, masked=False)
+    kept = make_kept(tokens, V, 20, drop_sampled={3, 7})
+    x = logits.clone().requires_grad_()
+    logp, ent = kernels.token_logprobs(x, tokens, kept_ids=kept, backend=backend)
+    assert torch.isneginf(logp[[3, 7]]).all() and torch.isfinite(logp[[0, 1, 2, 4, 5, 6]]).all()
+    assert torch.isfinite(ent).all()
+    (d_x,) = torch.autograd.grad(ent.sum(), x)  # the entropy stays differentiable
+    assert torch.isfinite(d_x).all()
+
+
+@pytest.mark.usefixtures("kernel_env")
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_noncontiguous_btv_slice(backend, inplace):
+    B, T, vocab = 3, 9, 300
+    base = torch.randn(B, T, vocab, requires_grad=True)
+    seq = torch.randint(0, vocab, (B, T))
+    tokens, mask = seq[:, 3:], torch.rand(B, T - 3) > 0.2          # the tokens that logits[:, 2:-1] predict
+    logits = (base * 1)[:, 2:-1]                                   # (B, T-3, V), rows not mergeable into one stride
+    assert not logits.is_contiguous()
+    got = kernels.token_logprobs(logits, tokens, 0.7, mask=mask, backend=backend, inplace_backward=inplace)
+    x_ref = base.detach().double().requires_grad_()
+    want = kernels.token_logprobs(x_ref[:, 2:-1], tokens, 0.7, mask=mask, backend="torch")
+    for g, w, name in zip(got, want, ["logp", "entropy"]):
+        assert g.shape == (B, T - 3)
+        close(g, w, rtol=2e-5, atol=2e-5, what=name)  # fp32 vs float64
+    upstream = [torch.randn(B, T - 3, dtype=torch.float64) for _ in range(2)]
+    close(grads_of(got, [base], upstream)[0], grads_of(want, [x_ref], upstream)[0], rtol=1e-4, atol=1e-5,
+          what="d logits")
+
+
+@pytest.mark.usefixtures("kernel_env")
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_no_grad_scoring_path(backend):
+    logits, tokens, mask, ref = make_inputs(20, V, torch.float32)
+    with torch.no_grad():
+        got = kernels.token_logprobs(logits.requires_grad_(), tokens, mask=mask, ref_logprobs=ref, backend=backend)
+    assert all(o.grad_fn is None for o in got)
+    _, want = reference(logits, tokens, 1.0, mask=mask, ref_logprobs=ref)
+    for g, w in zip(got, want):
+        close(g, w, rtol=2e-5, atol=2e-5, what="no-grad output")  # fp32 vs float64
+
+
+@pytest.mark.usefixtures("kernel_env")
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("use_kept", [False, True])
+def test_linear_matches_reference(backend, dtype, use_kept):
+    B, T, H, vocab = 2, 21, 32, 300
+    hidden = torch.randn(B, T, H).to(dtype)
+    weight = (torch.randn(vocab, H) / H**0.5 * 2).to(dtype)
+    tokens = torch.randint(0, vocab, (B, T))
+    mask = torch.rand(B, T) > 0.25
+    kept = make_kept(tokens.reshape(-1), vocab, 24).view(B, T, 24) if use_kept else None
+    # Reference: the float64 torch path of the full logits, from the same bf16-rounded hidden and weight (masked
+    # rows zeroed there, else NaN * 0 would poison d(weight); ours must not even read them).
+    h_ref = hidden.double().masked_fill(~mask[..., None], 0.0).requires_grad_()
+    w_ref = weight.double().requires_grad_()
+    # Our chunks' logits are rounded to the input dtype (as any lm_head output is), so the reference takes those
+    # rounded values with the gradient of the exact product (straight-through): it then tests the kernels, not the
+    # precision of bf16 logits.
+    logits_ref = h_ref @ w_ref.T
+    logits_ref = logits_ref + ((hidden @ weight.T).double() - logits_ref).masked_fill(~mask[..., None], 0.0).detach()
+    with torch.no_grad():  # ref log-probs near the policy's, as in PPO, so that k3 = O(1)
+        ref = kernels.token_logprobs(logits_ref, tokens, 0.7, mask=mask, kept_ids=kept)[0].float()
+        ref += 0.3 * torch.randn_like(ref)
+    kw = dict(mask=mask, ref_logprobs=ref, kl="k3", kept_ids=kept)
+    want = kernels.token_logprobs(logits_ref, tokens, 0.7, backend="torch", **kw)
+    hidden[~mask] = float("nan")  # masked rows' hidden states are garbage: never multiplied
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    got = kernels.linear_token_logprobs(h, w, tokens, 0.7, backend=backend, chunk_tokens=8, **kw)
+    # same rounded logits: fp32 math, ~1e-6 (k3 amplifies by exp(ref - logp) = O(1))
+    tol = dict(rtol=2e-5, atol=2e-5)
+    for g, wv, name in zip(got, want, ["logp", "entropy", "kl"]):
+        assert g.shape == (B, T)
+        close(g, wv, what=name, **tol)
+        assert (g[~mask] == 0).all()
+    upstream = [torch.randn(B, T, dtype=torch.float64) for _ in range(3)]
+    d_h, d_w = grads_of(got, [h, w], upstream)
+    d_h_ref, d_w_ref = grads_of(want, [h_ref, w_ref], upstream)
+    # fp32: ~1e-6 after the matmuls; bf16: d(logits) is stored in bf16 and both matmuls round their outputs to
+    # bf16 (2^-9 each), so 2e-2 of the largest entry
+    gtol = 1e-4 if dtype == torch.float32 else 2e-2
+    for got_g, want_g, name in ((d_h, d_h_ref, "d hidden"), (d_w, d_w_ref, "d weight")):
+        close(got_g, want_g, rtol=gtol, atol=gtol * float(want_g.abs().max()), what=name)
+    assert (d_h[~mask] == 0).all(), "masked rows must get exactly 0 gradient"
+
+
+@pytest.mark.usefixtures("kernel_env")
+def test_linear_all_rows_masked_and_no_grad():
+    hidden, weight = torch.randn(5, 8, requires_grad=True), torch.randn(30, 8, requires_grad=True)
+    tokens, mask = torch.randint(0, 30, (5,)), torch.zeros(5, dtype=torch.bool)
+    logp, ent = kernels.linear_token_logprobs(hidden, weight, tokens, mask=mask)
+    assert (logp == 0).all() and (ent == 0).all()
+    (logp + ent).sum().backward()
+    assert (hidden.grad == 0).all() and (weight.grad == 0).all()
+    with torch.no_grad():
+        logp, ent = kernels.linear_token_logprobs(hidden, weight, tokens)
+    assert logp.grad_fn is None
+    close(logp, kernels.token_logprobs(hidden.detach() @ weight.detach().T, tokens)[0], rtol=1e-5, atol=1e-5,
+          what="no-grad linear")  # fp32 both
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# rollout: masks, EOS, padding, position ids, temperature, behaviour log-probs
+
+
+class ScriptedLM(torch.nn.Module):
+    """A stand-in sampler whose step-t logits force script[b][t]; it records the position ids it is given."""
+
+    def __init__(self, script, vocab_size):
+        super().__init__()
+        self.script, self.V, self.seen_positions, self.calls = torch.tensor(script), vocab_size, [], 0
+
+    def forward(self, input_ids, attention_mask, position_ids, cache=None, use_cache=None):
+        self.seen_positions.append(position_ids.clone())
+        logits = torch.full((input_ids.shape[0], input_ids.shape[1], self.V), -30.0)
+        logits[torch.arange(input_ids.shape[0]), -1, self.script[:, self.calls]] = 30.0
+        self.calls += 1
+        return SimpleNamespace(logits=logits)
+
+
+def test_generate_stops_per_row_at_eos_pads_after_and_keeps_eos_in_mask(tokenizer):
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    d = {c: tokenizer.convert_tokens_to_ids(c) for c in "0123456789"}
+    script = [[d["4"], eos, d["1"], d["1"], d["1"]],  # ends early: EOS at t=1
+              [d["1"], d["2"], d["3"], d["4"], d["5"]],  # never emits EOS
+              [eos, d["7"], d["7"], d["7"], d["7"]]]  # EOS first
+    lm = ScriptedLM(script, len(tokenizer))
+    texts = ["1+2=", "37+45=", "9+9="]  # ragged prompt lengths -> left padding
+    ids, mask = pt.left_pad(pt.format_prompts(tokenizer, texts, False, 64), pad, "cpu")
+    batch = pt.generate(lm, ids, mask, max_new_tokens=5, temperature=1.0, eos_id=eos, pad_id=pad,
+                        generator=torch.Generator().manual_seed(0), policy_version=3)
+    assert batch.response.tolist() == [[d["4"], eos, pad, pad, pad], [d["1"], d["2"], d["3"], d["4"], d["5"]],
+                                       [eos, pad, pad, pad, pad]]
+    assert batch.response_mask.tolist() == [[1, 1, 0, 0, 0], [1] * 5, [1, 0, 0, 0, 0]]  # EOS is a real token
+    assert batch.ended.tolist() == [True, False, True]
+    assert (batch.behav_logprobs[~batch.response_mask.bool()] == 0).all()
+    assert (batch.policy_version == 3).all()
+    # position ids: cumsum(mask) - 1 over the left-padded prompt, then one more per step
+    assert lm.seen_positions[0].tolist() == [[0, 0, 0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5, 6], [0, 0, 0, 1, 2, 3, 4]]
+    assert lm.seen_positions[1].tolist() == [[5], [7], [5]]
+    assert pt.decode_completions(tokenizer, batch) == ["4", "12345", ""]
+
+
+def test_generate_exits_early_when_every_row_has_ended(tokenizer):
+    eos = tokenizer.eos_token_id
+    lm = ScriptedLM([[eos] * 16, [eos] * 16], len(tokenizer))
+    ids, mask = pt.left_pad([[1, 5], [1, 6]], tokenizer.pad_token_id, "cpu")
+    batch = pt.generate(lm, ids, mask, max_new_tokens=16, temperature=1.0, eos_id=eos, pad_id=tokenizer.pad_token_id,
+                        generator=torch.Generator())
+    assert batch.response.shape[1] == 4 and lm.calls == 4  # checked every 4 steps, not after all 16
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p,full_logits", [(1.0, 0, 1.0, False), (0.7, 0, 1.0, True),
+                                                                 (0.7, 0, 1.0, False), (1.3, 5, 1.0, False),
+                                                                 (1.0, 0, 0.8, True)])
+def test_behaviour_logprobs_equal_recomputed_logprobs(tokenizer, temperature, top_k, top_p, full_logits):
+    policy = tiny_llama(len(tokenizer), seed=2)
+    texts = ["1+2=", "37+45=", "9+90=", "5+5="]
+    batch = demo_rollout(tokenizer, policy, texts, temperature, top_k, top_p, T=6)
+    logprobs, entropy = pt.sequence_logprobs(policy, *pt.full_sequence(batch), batch.response, batch.response_mask,
+                                             temperature, batch.kept_ids, full_logits)
+    # same weights, same temperature, same positions: only KV-cache vs full-forward rounding (float64) differs
+    torch.testing.assert_close(logprobs.double(), batch.behav_logprobs.double(), rtol=0, atol=1e-9)
+    assert (logprobs[~batch.response_mask.bool()] == 0).all()
+    if top_k == 0 and top_p == 1.0:  # a different temperature when scoring would not match: the test can fail
+        wrong, _ = pt.sequence_logprobs(policy, *pt.full_sequence(batch), batch.response, batch.response_mask,
+                                        temperature + 0.5)
+        assert (wrong - logprobs).abs().max() > 1e-3
+    if top_k or top_p < 1:  # kept-set renormalisation: kept ids recorded, log-probs >= the full-vocab ones
+        assert batch.kept_ids.shape[:2] == batch.response.shape
+        full, _ = pt.sequence_logprobs(policy, *pt.full_sequence(batch), batch.response, batch.response_mask,
+                                       temperature)
+        assert (logprobs >= full - 1e-9).all() and (logprobs > full + 1e-6).any()
+
+
+def tiny_gpt2(vocab_size, seed=0):  # absolute position embeddings: wrong position ids change every logit
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(seed)
+    config = GPT2Config(vocab_size=vocab_size, n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=False)
+    return GPT2LMHeadModel(config).double().eval()
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_left_padding_gives_the_same_logprobs_as_no_padding(tokenizer, family):
+    policy = (tiny_llama if family == "llama" else tiny_gpt2)(len(tokenizer), seed=3)
+    prompt = pt.format_prompts(tokenizer, ["12+34="], False, 64)[0]
+    response = torch.tensor([[tokenizer.convert_tokens_to_ids("4"), tokenizer.convert_tokens_to_ids("6"),
+                              tokenizer.eos_token_id]])
+    results = []
+    for n_pad in (0, 5):
+        ids, mask = pt.left_pad([prompt, [1] * (len(prompt) + n_pad)], tokenizer.pad_token_id, "cpu")
+        batch = pt.Rollout(ids[:1], mask[:1], response, torch.ones_like(response), None, None, None)
+        results.append(pt.sequence_logprobs(policy, *pt.full_sequence(batch), response, batch.response_mask, 1.0)[0])
+        if n_pad and family == "gpt2":  # naive positions 0..L-1 count the pads: wrong (RoPE is shift-invariant, so
+            ids_, mask_, _ = pt.full_sequence(batch)  # a Llama would not notice; absolute positions do)
+            naive = torch.arange(ids_.shape[1])[None]
+            wrong = pt.sequence_logprobs(policy, ids_, mask_, naive, response, batch.response_mask, 1.0)[0]
+            assert (wrong - results[0]).abs().max() > 1e-4
+    torch.testing.assert_close(results[0], results[1], rtol=0, atol=1e-10)
+
+
+def test_behaviour_logprobs_equal_recomputed_logprobs_gpt2(tokenizer):
+    policy = tiny_gpt2(len(tokenizer), seed=2)
+    batch = demo_rollout(tokenizer, policy, ["1+2=", "37+45=", "9+90="], 0.8, T=6)
+    logprobs, _ = pt.sequence_logprobs(policy, *pt.full_sequence(batch), batch.response, batch.response_mask, 0.8)
+    torch.testing.assert_close(logprobs.double(), batch.behav_logprobs.double(), rtol=0, atol=1e-9)
+
+
+def test_pad_token_is_added_when_missing_or_equal_to_eos(tokenizer):
+    import copy
+    tok = copy.deepcopy(tokenizer)
+    tok.pad_token = tok.eos_token  # the common pad = EOS set-up
+    model = tiny_llama(len(tok), dtype=torch.float32)
+    n_rows = model.get_input_embeddings().weight.shape[0]
+    pt.ensure_pad_token(tok, model)
+    assert tok.pad_token_id not in (None, tok.eos_token_id)
+    assert model.get_input_embeddings().weight.shape[0] == max(n_rows, len(tok)) > tok.pad_token_id
+    # and the real EOS of a completion stays in the mask while pads after it do not
+    eos = tok.eos_token_id
+    lm = ScriptedLM([[eos, 5, 5]], len(tok))
+    ids, mask = pt.left_pad([[1, 5]], tok.pad_token_id, "cpu")
+    batch = pt.generate(lm, ids, mask, max_new_tokens=3, temperature=1.0, eos_id=eos, pad_id=tok.pad_token_id,
+                        generator=torch.Generator())
+    assert batch.response_mask.tolist() == [[1, 0, 0]] and batch.response[0, 1] == tok.pad_token_id != eos
+
+
+def test_dropout_is_off_in_every_model():
+    model = tiny_llama(16, attention_dropout=0.5, dtype=torch.float32).train()
+    model.model.layers[0].mlp.add_module("drop", torch.nn.Dropout(0.5))  # a dropout module too
+    model.model.layers[0].mlp.forward = (lambda mlp: lambda x: mlp.drop(mlp.down_proj(
+        mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))))(model.model.layers[0].mlp)
+    x = torch.randint(0, 16, (2, 8))
+    assert not torch.equal(model(x).logits, model(x).logits)  # dropout active: the test can fail
+    pt.disable_dropout(model)
+    assert torch.equal(model(x).logits, model(x).logits)  # still in train mode, now deterministic
+    assert model.config.attention_dropout == 0.0
+
+
+def test_critic_starts_at_zero_or_from_the_reward_model(tokenizer):
+    policy = tiny_llama(len(tokenizer), dtype=torch.float32)
+    critic = pt.build_critic(policy)
+    ids, mask = pt.left_pad([[1, 5, 6], [1, 7]], tokenizer.pad_token_id, "cpu")
+    assert (critic(ids, mask, pt.positions(mask)) == 0).all()  # zero head: first advantages are the rewards
+    assert all(p.requires_grad for p in critic.parameters())
+    assert all(a.data_ptr() != b.data_ptr() for a, b in zip(critic.backbone.parameters(), policy.model.parameters()))
+    rm = pt.ScalarHeadModel(tiny_llama(len(tokenizer), seed=5, dtype=torch.float32).model, torch.nn.Linear(32, 1, bias=False))
+    from_rm = pt.build_critic(policy, rm, same_tokenizer=True)
+    torch.testing.assert_close(from_rm(ids, mask, pt.positions(mask)), rm(ids, mask, pt.positions(mask)))
+    assert (pt.build_critic(policy, rm, same_tokenizer=False)(ids, mask, pt.positions(mask)) == 0).all()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# scoring and the update
+
+
+def tiny_setup(tokenizer, **cfg_overrides):
+    cfg = pt.Config(batch_size=8, minibatches=2, ppo_epochs=2, response_length=4, **cfg_overrides)
+    pt.check_config(cfg)
+    policy = tiny_llama(len(tokenizer), seed=4, dtype=torch.float32)
+    pt.disable_dropout(policy)
+    reference = tiny_llama(len(tokenizer), seed=5, dtype=torch.float32).requires_grad_(False)
+    critic = pt.build_critic(policy)
+    texts = [f"{a}+{b}=" for a, b in [(1, 2), (37, 45), (9, 90), (5, 5), (12, 3), (0, 0), (99, 99), (50, 7)]]
+    batch = demo_rollout(tokenizer, policy, texts, cfg.temperature, T=cfg.response_length)
+    return cfg, policy, reference, critic, batch
+
+
+def constant_reward(value):
+    return lambda b: torch.full((b.response.shape[0],), float(value))
+
+
+def test_ratio_is_exactly_one_on_the_first_minibatch(tokenizer):
+    cfg, policy, reference, critic, batch = tiny_setup(tokenizer, micro_batch_size=2)
+    orders = [torch.randperm(8) for _ in range(cfg.ppo_epochs)]
+    pt.score_rollouts(batch, policy, reference, critic, constant_reward(1.0), cfg, orders[0])
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (policy, critic)]
+    stats = pt.ppo_update(policy, critic, *opts, batch, cfg, orders)
+    assert stats["first_ratio_max_dev"] == 0.0
+    assert stats["approx_kl"] > 0  # the later minibatches did move the policy
+
+
+def test_missing_eos_penalty_and_score_whitening(tokenizer):
+    cfg, policy, reference, critic, batch = tiny_setup(tokenizer, missing_eos_penalty=0.5)
+    batch.ended = torch.tensor([True, False] * 4)
+    pt.score_rollouts(batch, policy, reference, critic, constant_reward(1.0), cfg)
+    assert batch.scores.tolist() == [1.0, 0.5] * 4
+    cfg.whiten_scores = True
+    pt.score_rollouts(batch, policy, reference, critic, lambda b: torch.arange(8.0), cfg)
+    assert abs(float(batch.scores.mean())) < 1e-6 and abs(float(batch.scores.std()) - 1) < 1e-4
+
+
+def test_kl_in_the_reward_and_identical_reference_gives_zero_kl(tokenizer):
+    cfg, policy, _, critic, batch = tiny_setup(tokenizer, kl_coef=0.1)
+    kl = pt.score_rollouts(batch, policy, policy, critic, constant_reward(0.0), cfg)
+    assert float(kl.abs().max()) == 0.0  # reference == policy: no penalty
+    cfg, policy, reference, critic, batch = tiny_setup(tokenizer, kl_coef=0.1, kl_estimator="k3")
+    kl = pt.score_rollouts(batch, policy, reference, critic, constant_reward(0.0), cfg)
+    expected = torch.where(batch.response_mask.bool(), -0.1 * pt.kl_estimate(batch.old_logprobs, batch.ref_logprobs, "k3"), 0.0)
+    torch.testing.assert_close(batch.rewards, expected)
+    assert (kl >= 0).all() and float(kl.max()) > 0
+
+
+def test_reward_model_scores_at_last_token_with_same_or_different_tokenizer(tokenizer):
+    import copy
+    rm = pt.ScalarHeadModel(tiny_llama(len(tokenizer) + 1, seed=7, dtype=torch.float32).model,
+                            torch.nn.Linear(32, 1, bias=False)).eval()
+    texts, answers = ["1+2=", "37+45=", "9+90="], ["3", "82", ""]
+    batch = pt.answer_batch(tokenizer, pt.format_prompts(tokenizer, texts, False, 64), answers, "cpu")
+    batch.ended, batch.prompts, batch.completions = torch.ones(3, dtype=torch.bool), texts, answers
+    same = pt.reward_model_scores(rm, tokenizer, tokenizer, batch, False, 2)
+    other = copy.deepcopy(tokenizer)
+    other.add_special_tokens({"additional_special_tokens": ["<extra>"]})  # another vocabulary: decode + re-tokenize
+    retokenized = pt.reward_model_scores(rm, other, tokenizer, batch, False, 2)
+    # the re-tokenized text drops the EOS, so compare with the rollout scored without it
+    n_real = batch.response_mask.sum(-1) - batch.ended.long()
+    ids, mask, pos = pt.full_sequence(batch)
+    P = batch.prompt_ids.shape[1]
+    expected = torch.stack([rm(ids[i:i + 1], mask[i:i + 1], pos[i:i + 1])[0, P + n_real[i] - 1] for i in range(3)])
+    torch.testing.assert_close(retokenized, expected, rtol=1e-5, atol=1e-5)
+    last = batch.response_mask.sum(-1) + P - 1
+    torch.testing.assert_close(same, torch.stack([rm(ids[i:i + 1], mask[i:i + 1], pos[i:i + 1])[0, last[i]]
+                                                  for i in range(3)]), rtol=1e-5, atol=1e-5)
+
+
+def test_config_errors_name_the_flags(capsys):
+    cases = [(["--batch-size", "10", "--minibatches", "4"], "--batch-size 10 must be divisible by --minibatches 4"),
+             (["--batch-size", "16", "--minibatches", "2", "--micro-batch-size", "3"], "--micro-batch-size 3"),
+             (["--temperature", "0"], "--temperature must be > 0"),
+             (["--max-staleness", "1"], "--max-staleness must be 0"),
+             (["--kl-estimator", "k2"], "--kl-estimator must be k1 or k3")]
+    for argv, message in cases:
+        with pytest.raises(SystemExit) as e:
+            pt.parse_config(argv)
+        assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_help_lists_every_config_field():
+    out = subprocess.run([sys.executable, SCRIPT, "--help"], capture_output=True, text=True, check=True).stdout
+    for f in pt.dataclasses.fields(pt.Config):
+        assert "--" + f.name.replace("_", "-") in out
+    assert "PPO ratio clip epsilon" in out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the real entry point, on tiny budgets
+
+
+def run_script(args, cwd, timeout=300):
+    proc = subprocess.run([sys.executable, SCRIPT, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def read_metrics(output_dir):
+    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def check_outputs(output_dir, steps, tokenizer_check=None):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    config = json.load(open(os.path.join(output_dir, "config.json")))
+    assert config["steps"] == steps and config["response_length"] > 0  # resolved values, as used
+    records = [r for r in read_metrics(output_dir) if r["step"] > 0]
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    for key in ("reward_mean", "kl", "entropy", "clipfrac", "response_tokens", "iter_s", "time_s",
+                "gen_tokens_per_s", "train_tokens_per_s", "vf_loss", "explained_variance", "approx_kl"):
+        assert all(isinstance(r[key], (int, float)) and math.isfinite(r[key]) for r in records), key
+    assert all(r["first_ratio_max_dev"] == 0.0 for r in records)
+    policy = AutoModelForCausalLM.from_pretrained(os.path.join(output_dir, "policy"))
+    tok = AutoTokenizer.from_pretrained(os.path.join(output_dir, "policy"))
+    assert tok.pad_token_id != tok.eos_token_id
+    ids = tok(["1+2="], return_tensors="pt").input_ids
+    assert policy(input_ids=ids).logits.shape[-1] >= len(tok)
+    return records
+
+
+TINY = ["--batch-size", "16", "--minibatches", "2", "--micro-batch-size", "4", "--steps", "3", "--eval-size", "40",
+        "--eval-every", "2", "--demo-warmup-max-steps", "0", "--sample-every", "2"]
+
+
+def test_demo_entry_point_with_a_reward_model_directory(tmp_path, tokenizer):
+    """The demo policy with a learned reward model saved as an AutoModelForSequenceClassification directory."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+    rm = LlamaForSequenceClassification(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1,
+                                                    num_attention_heads=2, intermediate_size=64, num_labels=1,
+                                                    pad_token_id=tokenizer.pad_token_id))
+    rm.save_pretrained(tmp_path / "rm")
+    tokenizer.save_pretrained(tmp_path / "rm")
+    out = run_script([*TINY, "--reward-model", str(tmp_path / "rm"), "--output-dir", str(tmp_path / "run"),
+                      "--demo-cache", str(tmp_path / "cache")], tmp_path)
+    assert "critic from the reward model" in out
+    records = check_outputs(tmp_path / "run", 3)
+    assert "eval_accuracy" in read_metrics(tmp_path / "run")[0] and "eval_accuracy" in records[-1]
+
+
+def test_model_directory_prompts_file_and_reward_function(tmp_path, tokenizer):
+    """--model DIR (with a chat template) + --prompts JSONL + --reward module:function, through the real CLI."""
+    import copy
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}={% endif %}"
+    model = tiny_llama(len(tok), dtype=torch.float32)
+    model.save_pretrained(tmp_path / "policy_in")
+    tok.save_pretrained(tmp_path / "policy_in")
+    with open(tmp_path / "prompts.jsonl", "w") as f:
+        for a in range(20):
+            f.write(json.dumps({"prompt": f"{a}+{a}"}) + "\n")
+    (tmp_path / "my_rewards.py").write_text(
+        "def score(prompts, completions):\n"
+        "    assert all('=' not in p for p in prompts)  # raw prompts, before the chat template\n"
+        "    return [float(len(c)) for c in completions]\n")
+    out = run_script([*TINY, "--model", str(tmp_path / "policy_in"), "--prompts", str(tmp_path / "prompts.jsonl"),
+                      "--reward", "my_rewards:score", "--response-length", "5", "--output-dir", str(tmp_path / "run")],
+                     tmp_path)
+    assert "zero-initialised head" in out
+    records = check_outputs(tmp_path / "run", 3)
+    assert "eval_accuracy" not in records[-1]
+    assert all(r["response_tokens"] <= 16 * 5 for r in records)
+
+
+def test_bad_reward_function_output_is_a_clear_error(tmp_path):
+    (tmp_path / "bad_rewards.py").write_text("def short(prompts, completions):\n    return [1.0]\n")
+    proc = subprocess.run([sys.executable, SCRIPT, *TINY, "--reward", "bad_rewards:short", "--output-dir",
+                           str(tmp_path / "run"), "--demo-cache", str(tmp_path / "cache")], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "returned 1 scores for 16 completions" in proc.stderr
+
+
+def test_demo_learns_a_little_in_a_few_iterations(tmp_path):
+    """A shortened default demo (the full one is in the README): after the real warm-up, the reward mean rises."""
+    out = run_script(["--steps", "24", "--eval-every", "12", "--eval-size", "500", "--sample-every", "0",
+                      "--output-dir", str(tmp_path / "run"), "--demo-cache", str(tmp_path / "cache")], tmp_path, 600)
+    records = [r for r in read_metrics(tmp_path / "run") if r["step"] > 0]
+    first, last = records[:6], records[-6:]
+    mean = lambda rs: sum(r["reward_mean"] for r in rs) / len(rs)
+    assert mean(last) > mean(first) + 0.03, (mean(first), mean(last), out[-2000:])
+    assert "warm-up:" in out and "held-out sampled accuracy" in out
