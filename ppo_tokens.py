@@ -7,18 +7,22 @@ token minus kl_coef * KL(policy || reference) on every token; GAE turns them int
 objective updates the policy and the critic over a few epochs of minibatches. It follows "The N+ Implementation
 Details of RLHF with PPO" (Huang et al., 2024) and TRL's PPOTrainer where they agree, and says so where it differs.
 
-Deliberately left out (for now): the overlapped generate/train loop (--max-staleness > 0), multi-GPU and
-checkpoint/resume; one process, one device, synchronous PPO.
+With --max-staleness k > 0 a sampler copy of the policy generates ahead of the trainer in its own thread (and CUDA
+stream), at most k policy versions behind, and the decoupled PPO objective corrects for the staleness.
+Deliberately left out (for now): multi-GPU (torchrun), checkpoint/resume, packed (padding-free) training, CUDA-graph
+decoding, bf16 autocast for training (policy and critic train in fp32; the sampler copy is bf16 on GPU).
 
 Run it:
     python ppo_tokens.py                                    # built-in CPU demo: a 0.6M-parameter Llama learns addition
     python ppo_tokens.py --model Qwen/Qwen2.5-0.5B-Instruct --prompts prompts.jsonl \\
-        --reward-model ./my_rm --response-length 256 --batch-size 64 --device cuda --dtype bfloat16
-    python ppo_tokens.py --model ./my_policy --prompts prompts.jsonl --reward my_rewards:score
+        --reward-model ./my_rm --response-length 256 --batch-size 64 --micro-batch-size 8 --lr 1e-6 --critic-lr 1e-5
+    python ppo_tokens.py --model ./my_policy --prompts prompts.jsonl --reward my_rewards:score --lr 1e-6
+    python ppo_tokens.py --max-staleness 1                  # the overlapped loop: sample batch i+1 while training on i
     python ppo_tokens.py --help                             # every flag with its comment
 The numbers quoted in README.md come from the commands listed there, on the machines named there.
 """
-import argparse, copy, dataclasses, hashlib, importlib, inspect, json, math, os, random, shutil, sys, time
+import argparse, contextlib, copy, dataclasses, hashlib, importlib, inspect, json, math, os, queue, random, shutil, sys
+import threading, time
 from dataclasses import dataclass, field
 
 import torch
@@ -45,7 +49,7 @@ class Config:
     chat_template: bool = arg(True, "wrap each prompt in the tokenizer's chat template when it has one")
     max_prompt_length: int = arg(512, "prompts longer than this many tokens keep their last tokens (counted warning)")
     # rollout
-    steps: int = arg(400, "PPO iterations: one rollout batch and its update each")
+    steps: int = arg(300, "PPO iterations: one rollout batch and its update each")
     batch_size: int = arg(256, "rollouts (prompt + one sampled completion) per iteration")
     response_length: int = arg(0, "max new tokens per completion; 0 = 4 for the demo, 128 otherwise")
     temperature: float = arg(1.0, "sampling temperature; scoring divides the logits by the same value")
@@ -70,12 +74,21 @@ class Config:
     lam: float = arg(0.95, "GAE lambda")
     whiten_scores: bool = arg(False, "whiten the sequence scores over the batch before adding them to the rewards")
     missing_eos_penalty: float = arg(0.0, "subtracted from the score of completions that hit --response-length without EOS")
-    max_staleness: int = arg(0, "rollout batches the sampler may run ahead of the trainer; only 0 (synchronous) so far")
+    # the overlapped loop (sampler thread + bounded queue + packed weight sync + off-policy correction)
+    max_staleness: int = arg(0, "policy versions a rollout batch may lag the trainer: 0 = synchronous PPO, 1 = one-step off-policy")
+    inflight_updates: bool = arg(False, "the sampler takes new weights between decode steps (mixed-version sequences, PipelineRL)")
+    is_cap: float = arg(2.0, "cap on the decoupled-PPO importance weight exp(prox_logp - behav_logp) of stale tokens")
+    is_mode: str = arg("truncate", "capped weights: 'truncate' (set to --is-cap) or 'mask' (token dropped from the loss)")
+    max_token_age: int = arg(-1, "drop tokens sampled more than this many versions ago from the loss (-1 = keep all)")
+    trace: str = arg("", "write a Chrome trace (chrome://tracing, ui.perfetto.dev) of sampler and trainer to this file")
+    bench_overlap: bool = arg(False, "benchmark: run --steps iterations at --max-staleness 0, 1 and 2, print a table")
     full_logits: bool = arg(False, "compute log-probs from full [tokens, vocab] logits instead of the fused lm_head path")
     # the built-in demo
     demo_warmup_max_steps: int = arg(1500, "cap on supervised warm-up steps before PPO (0 = no warm-up)")
     demo_warmup_target: float = arg(0.20, "warm-up stops once sampled accuracy on 256 training prompts reaches this")
     demo_warmup_lr: float = arg(3e-3, "warm-up learning rate (AdamW, 50-step linear warm-up, grad clip 1)")
+    demo_hidden: int = arg(128, "demo model width (3 layers, 4 heads; 128 = 0.6M parameters)")
+    demo_layers: int = arg(3, "demo model depth")
     demo_cache: str = arg("~/.cache/ppo_tokens", "where the warmed-up demo checkpoint is cached between runs")
     eval_every: int = arg(25, "held-out evaluation every this many iterations (demo only; also before and after)")
     eval_size: int = arg(1000, "held-out prompts per evaluation (demo only)")
@@ -83,7 +96,7 @@ class Config:
     # run
     seed: int = arg(1, "seeds model init, sampling, data order and minibatch shuffling")
     device: str = arg("auto", "'auto' (cuda if available), 'cpu', 'cuda' or 'cuda:N'")
-    dtype: str = arg("float32", "parameter dtype of all models: float32 or bfloat16")
+    dtype: str = arg("float32", "dtype of the frozen models (reference, reward model); policy and critic train in float32")
     output_dir: str = arg("", "where config.json, metrics.jsonl and policy/ go; empty = runs/<date-time>")
     wandb_project: str = arg("", "log to this Weights & Biases project (off when empty; wandb imported only then)")
 
@@ -108,8 +121,10 @@ def check_config(cfg: Config):
     """Resolve the derived values and check every size once, with errors that name the flags to change."""
     if cfg.response_length == 0:
         cfg.response_length = 4 if is_demo(cfg) else 128
-    if cfg.max_staleness != 0:
-        raise ValueError("--max-staleness must be 0 for now: the overlapped generate/train loop has not landed yet")
+    if cfg.max_staleness < 0:
+        raise ValueError(f"--max-staleness must be >= 0 (got {cfg.max_staleness}); 0 is synchronous PPO")
+    if cfg.is_mode not in ("truncate", "mask") or cfg.is_cap < 1:
+        raise ValueError(f"--is-mode must be truncate or mask and --is-cap >= 1 (got {cfg.is_mode!r}, {cfg.is_cap})")
     if cfg.temperature <= 0:
         raise ValueError(f"--temperature must be > 0 (got {cfg.temperature}); for near-greedy sampling use e.g. 0.05")
     if cfg.kl_estimator not in ("k1", "k3"):
@@ -122,7 +137,7 @@ def check_config(cfg: Config):
         raise ValueError("--model/--prompts need a reward: pass --reward module:function or --reward-model DIR")
     if cfg.model and not cfg.prompts:
         raise ValueError("--model needs --prompts FILE.jsonl (the demo prompts only fit the demo tokenizer)")
-    for name in ("steps", "batch_size", "response_length", "ppo_epochs", "minibatches"):
+    for name in ("steps", "batch_size", "response_length", "ppo_epochs", "minibatches", "eval_every"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(cfg, name)})")
     if cfg.batch_size % cfg.minibatches:
@@ -156,15 +171,23 @@ def build_demo_tokenizer():
                                    unk_token="<unk>", padding_side="left")
 
 
-def build_demo_policy(tokenizer, seed: int):
+def build_demo_policy(tokenizer, seed: int, hidden=128, layers=3):
     """~0.6M-parameter Llama (hidden 128, 3 layers, 4 heads), the size calibrated in shared/DEMO-CALIBRATION.md."""
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, num_hidden_layers=3, num_attention_heads=4,
-                         num_key_value_heads=4, intermediate_size=344, max_position_embeddings=64,
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
+                         num_key_value_heads=4, intermediate_size=hidden * 43 // 16, max_position_embeddings=64,
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
     return LlamaForCausalLM(config)
+
+
+PAD_TOKEN = "<|ppo_tokens_pad|>"
+
+
+def same_vocabulary(a, b) -> bool:  # the pad token we may have added does not count (it is never a real token)
+    return {k: v for k, v in a.get_vocab().items() if k != PAD_TOKEN} == \
+        {k: v for k, v in b.get_vocab().items() if k != PAD_TOKEN}
 
 
 def ensure_pad_token(tokenizer, model):
@@ -172,7 +195,7 @@ def ensure_pad_token(tokenizer, model):
     EOS is how other code ends up masking the real EOS token out of the loss, so we refuse to share the id."""
     if tokenizer.pad_token_id is not None and tokenizer.pad_token_id != tokenizer.eos_token_id:
         return
-    tokenizer.add_special_tokens({"pad_token": "<|ppo_tokens_pad|>"})
+    tokenizer.add_special_tokens({"pad_token": PAD_TOKEN})
     if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:  # many vocabularies have spare rows already
         model.resize_token_embeddings(len(tokenizer))
     model.config.pad_token_id = tokenizer.pad_token_id
@@ -206,8 +229,8 @@ class ScalarHeadModel(nn.Module):
         self.backbone, self.head = backbone, head
 
     def forward(self, input_ids, attention_mask, position_ids):  # -> (B, L) float32
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
-                               position_ids=position_ids).last_hidden_state
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                               use_cache=False).last_hidden_state
         return self.head(hidden).squeeze(-1).float()
 
 
@@ -232,21 +255,19 @@ def build_critic(policy, reward_model=None, same_tokenizer=False):
     zero-initialised head, so the first advantages are just the rewards instead of noise from a random head (a random
     head made the demo's accuracy collapse in calibration)."""
     if reward_model is not None and same_tokenizer:
-        return copy.deepcopy(reward_model).requires_grad_(True).train()
+        return copy.deepcopy(reward_model).to(torch.float32).requires_grad_(True).eval()
     backbone = copy.deepcopy(backbone_of(policy))
     head = nn.Linear(policy.config.hidden_size, 1, bias=False).to(policy.device, policy.dtype)
     nn.init.zeros_(head.weight)
-    return ScalarHeadModel(backbone, head).requires_grad_(True).train()
-
-
-CACHE_KWARG = None  # transformers >= 5.2x calls the KV cache `cache`, older versions `past_key_values`
+    return ScalarHeadModel(backbone, head).to(torch.float32).requires_grad_(True).eval()
 
 
 def cache_kwargs(model, cache):
-    global CACHE_KWARG
-    if CACHE_KWARG is None:
-        CACHE_KWARG = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    return {CACHE_KWARG: cache, "use_cache": True}
+    """The KV-cache arguments of model.forward: transformers 5.24 renamed past_key_values to cache; and only the last
+    position's logits are needed when sampling (a prefill would otherwise hold (B, P, V) logits)."""
+    params = inspect.signature(model.forward).parameters
+    kwargs = {"cache" if "cache" in params else "past_key_values": cache, "use_cache": True}
+    return {**kwargs, "logits_to_keep": 1} if "logits_to_keep" in params else kwargs
 
 
 def fused_head(model):
@@ -271,10 +292,10 @@ def sequence_logprobs(model, input_ids, attention_mask, position_ids, response, 
     fused = None if full_logits else fused_head(model)
     if fused is not None:
         backbone, weight = fused
-        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask,
-                          position_ids=position_ids).last_hidden_state[:, P - 1:-1]  # (B, T, H)
+        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          use_cache=False).last_hidden_state[:, P - 1:-1]  # (B, T, H)
         return linear_token_logprobs(hidden, weight, response, temperature, mask=mask, kept_ids=kept_ids)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False).logits
     return token_logprobs(logits[:, P - 1:-1], response, temperature, mask=mask, kept_ids=kept_ids)  # (B, T) x2
 
 
@@ -385,16 +406,17 @@ def positions(mask):  # (B, L) -> (B, L): position ids that count real tokens on
 def reward_model_scores(reward_model, rm_tokenizer, policy_tokenizer, batch, use_chat_template, micro_batch_size):
     """Score each (prompt, completion) with the reward model at its last real token. Same tokenizer: feed the rollout's
     own tokens. Different tokenizer: decode, re-template and re-tokenize for the reward model."""
-    if rm_tokenizer.get_vocab() == policy_tokenizer.get_vocab():
-        ids = torch.cat([batch.prompt_ids, batch.response], 1)
-        mask = torch.cat([batch.prompt_mask, batch.response_mask], 1)
+    if same_vocabulary(rm_tokenizer, policy_tokenizer):
+        ids, mask, _ = full_sequence(batch)
+        ids = torch.where(mask.bool(), ids, 0)  # our pad id may lie outside the reward model's embedding
     else:
         if use_chat_template and getattr(rm_tokenizer, "chat_template", None):
             texts = [rm_tokenizer.apply_chat_template([{"role": "user", "content": p}, {"role": "assistant",
                      "content": c}], tokenize=False) for p, c in zip(batch.prompts, batch.completions)]
             seqs = rm_tokenizer(texts, add_special_tokens=False)["input_ids"]
         else:
-            seqs = rm_tokenizer([p + c for p, c in zip(batch.prompts, batch.completions)])["input_ids"]
+            eos = [rm_tokenizer.eos_token or "" if e else "" for e in batch.ended.tolist()]  # scored at the EOS, as above
+            seqs = rm_tokenizer([p + c + e for p, c, e in zip(batch.prompts, batch.completions, eos)])["input_ids"]
         ids, mask = left_pad(seqs, rm_tokenizer.pad_token_id or 0, batch.response.device)
     last = (mask * torch.arange(mask.shape[1], device=mask.device)).argmax(-1)  # (B,) last real column
     scores = []
@@ -431,7 +453,7 @@ class Rollout:
     response: torch.Tensor  # (B, T) sampled tokens; pad after EOS
     response_mask: torch.Tensor  # (B, T) 1 on real response tokens, the EOS included
     behav_logprobs: torch.Tensor  # (B, T) log-prob of each token under the sampler, recorded at sampling time
-    policy_version: torch.Tensor  # (B, T) int64: the policy version (optimizer steps taken) that sampled each token
+    policy_version: torch.Tensor  # (B, T) int64: the policy version (PPO updates it contains) that sampled each token
     ended: torch.Tensor  # (B,) bool: the completion emitted EOS within --response-length
     kept_ids: torch.Tensor = None  # (B, T, K) ids top-k/top-p kept at each step, -1 padded; None without truncation
     prompts: list = None  # B prompt strings as the reward sees them
@@ -443,20 +465,26 @@ class Rollout:
     rewards: torch.Tensor = None  # (B, T) per-token reward: -kl_coef * kl_t, plus the score on the last real token
     advantages: torch.Tensor = None  # (B, T) GAE advantages, whitened over real tokens
     returns: torch.Tensor = None  # (B, T) advantages + values (before whitening): the critic's targets
+    is_weight: torch.Tensor = None  # (B, T) decoupled-PPO importance weight of each token (exactly 1 when fresh)
+    loss_mask: torch.Tensor = None  # (B, T) response_mask minus the tokens rejected as too old
+    correction: dict = None  # staleness / importance-weight statistics of this batch, for the log
 
-    def rows(self, index):  # the sub-batch of rows `index` (a LongTensor), tensors only
-        return Rollout(**{f.name: (v[index] if isinstance(v, torch.Tensor) else None)
-                          for f in dataclasses.fields(self) for v in [getattr(self, f.name)]})
+    def rows(self, index):  # the sub-batch of rows `index` (a LongTensor); tensor fields only
+        fields = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            fields[f.name] = value[index] if isinstance(value, torch.Tensor) else None
+        return Rollout(**fields)
 
 
 def truncate_logits(scaled_logits, top_k: int, top_p: float):
     """Top-k / top-p filtering of temperature-scaled logits (B, V). Returns (filtered logits, kept ids (B, K) with -1
     on dropped slots). The kept set is recorded so the trainer can renormalise its log-probs over the same set; top-p
-    looks at the top --top-k ids only (64 when --top-k is 0) so that the set has a fixed width."""
+    looks at the top --top-k ids only (the 64 most likely when --top-k is 0) so that the set has a fixed width."""
     V = scaled_logits.shape[-1]
     values, ids = scaled_logits.topk(min(top_k or 64, V), dim=-1)  # (B, K) sorted, largest first
-    if top_p < 1.0:
-        probs = torch.softmax(scaled_logits, -1).gather(-1, ids)  # (B, K) full-distribution probabilities
+    if top_p < 1.0:  # as HF: top-k first, then top-p over the renormalised top-k distribution
+        probs = torch.softmax(values, -1) if top_k else torch.softmax(scaled_logits, -1).gather(-1, ids)  # (B, K)
         drop = probs.cumsum(-1) - probs >= top_p  # keep the smallest prefix whose mass reaches top_p
         ids = ids.masked_fill(drop, -1)
     keep = ids >= 0  # dropped slots re-write the top token (always kept) with its own value
@@ -467,10 +495,12 @@ def truncate_logits(scaled_logits, top_k: int, top_p: float):
 
 @torch.no_grad()
 def generate(sampler, prompt_ids, prompt_mask, *, max_new_tokens, temperature, eos_id, pad_id, generator,
-             top_k=0, top_p=1.0, policy_version=0):
+             top_k=0, top_p=1.0, policy_version=0, between_steps=None):
     """Batched sampling with a KV cache (our own loop, not model.generate, so every detail is visible): left-padded
     prompts with position ids cumsum(mask) - 1, logits / temperature, optional top-k/top-p, per-row stop at EOS with
-    pad after it, and each token's log-prob recorded at sampling time by the same function the trainer scores with."""
+    pad after it, and each token's log-prob recorded at sampling time by the same function the trainer scores with.
+    between_steps: called between decode steps, returns the sampler's policy version (in-flight weight updates: the
+    KV cache keeps the old weights' keys and values, as in PipelineRL; every token is tagged with its version)."""
     from transformers import DynamicCache
     B = prompt_ids.shape[0]
     cache = DynamicCache()
@@ -480,7 +510,7 @@ def generate(sampler, prompt_ids, prompt_mask, *, max_new_tokens, temperature, e
                      **cache_kwargs(sampler, cache)).logits[:, -1]  # (B, V)
     next_position = position_ids[:, -1:] + 1  # (B, 1)
     done = torch.zeros(B, dtype=torch.bool, device=prompt_ids.device)
-    tokens, masks, logprobs, kept = [], [], [], []
+    tokens, masks, logprobs, kept, versions = [], [], [], [], []
     for t in range(max_new_tokens):
         scaled = logits.float() / temperature  # (B, V)
         kept_ids = None
@@ -493,17 +523,20 @@ def generate(sampler, prompt_ids, prompt_mask, *, max_new_tokens, temperature, e
         tokens.append(torch.where(alive, token, pad_id))
         masks.append(alive)
         logprobs.append(torch.where(alive, logprob, 0.0))
+        versions.append(policy_version)
         done = done | (alive & (token == eos_id))
         if t == max_new_tokens - 1 or (t % 4 == 3 and bool(done.all())):  # one host sync every 4 steps, not every step
             break
         attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], 1)
+        if between_steps is not None:
+            policy_version = between_steps()
         logits = sampler(input_ids=tokens[-1][:, None], attention_mask=attention_mask, position_ids=next_position,
                          **cache_kwargs(sampler, cache)).logits[:, -1]
         next_position = next_position + 1
     response = torch.stack(tokens, 1)  # (B, T)
     return Rollout(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response=response,
                    response_mask=torch.stack(masks, 1).long(), behav_logprobs=torch.stack(logprobs, 1),
-                   policy_version=torch.full_like(response, policy_version), ended=done,
+                   policy_version=torch.tensor(versions, device=response.device).expand_as(response).clone(), ended=done,
                    kept_ids=torch.stack(kept, 1) if kept else None)
 
 
@@ -585,32 +618,55 @@ def critic_values(critic, batch: Rollout):  # (B, T): V(state before response to
     return torch.where(batch.response_mask.bool(), values, 0.0)
 
 
-@torch.no_grad()
-def score_rollouts(batch: Rollout, policy, reference, critic, reward_fn, cfg: Config, row_order=None):
-    """Fill in old/ref log-probs, values, scores, rewards, advantages and returns. Forwards run in the same micro-batch
-    rows (row_order) as the first training epoch, so the first epoch's ratio is bit-exactly 1 (see ppo_update)."""
+def micro_batches(batch: Rollout, cfg: Config, row_order=None):  # (rows, sub-batch) pairs, micro-batch sized
     B = batch.response.shape[0]
-    micro = cfg.micro_batch_size or B // cfg.minibatches
     row_order = torch.arange(B) if row_order is None else row_order
-    old, ref, values = (torch.zeros_like(batch.behav_logprobs) for _ in range(3))
-    for rows in row_order.to(batch.response.device).split(micro):
-        mb = batch.rows(rows)
-        seq = full_sequence(mb)
-        old[rows] = sequence_logprobs(policy, *seq, mb.response, mb.response_mask, cfg.temperature, mb.kept_ids,
-                                      cfg.full_logits)[0]
-        ref[rows] = sequence_logprobs(reference, *seq, mb.response, mb.response_mask, cfg.temperature, mb.kept_ids,
-                                      cfg.full_logits)[0]
-        values[rows] = critic_values(critic, mb)
-    batch.old_logprobs, batch.ref_logprobs, batch.values = old, ref, values
+    for rows in row_order.to(batch.response.device).split(cfg.micro_batch_size or B // cfg.minibatches):
+        yield rows, batch.rows(rows)
+
+
+@torch.no_grad()
+def score_frozen(batch: Rollout, reference, reward_fn, cfg: Config):
+    """The sampler side of scoring: reference log-probs and sequence scores need no trainer weights, so in the
+    overlapped loop they run in the producer thread (on the sampler's CUDA stream), hidden behind the update."""
+    batch.ref_logprobs = torch.zeros_like(batch.behav_logprobs)
+    for rows, mb in micro_batches(batch, cfg):
+        batch.ref_logprobs[rows] = sequence_logprobs(reference, *full_sequence(mb), mb.response, mb.response_mask,
+                                                     cfg.temperature, mb.kept_ids, cfg.full_logits)[0]
     scores = reward_fn(batch)  # (B,)
     scores = scores - cfg.missing_eos_penalty * (~batch.ended).float()  # N+ detail: penalise runs cut off without EOS
-    if cfg.whiten_scores:
-        scores = masked_whiten(scores, torch.ones_like(scores))
-    batch.scores = scores
-    kl = torch.where(batch.response_mask.bool(), kl_estimate(old, ref, cfg.kl_estimator), 0.0)  # (B, T)
-    batch.rewards = per_token_rewards(scores, kl, batch.response_mask, cfg.kl_coef)
-    advantages, batch.returns = gae(batch.rewards, values, batch.response_mask, cfg.gamma, cfg.lam)
+    batch.scores = masked_whiten(scores, torch.ones_like(scores)) if cfg.whiten_scores else scores
+
+
+@torch.no_grad()
+def score_trainer(batch: Rollout, policy, critic, cfg: Config, row_order=None, version=None):
+    """The trainer side: proximal ("old") log-probs and values need the current weights, so the trainer computes them
+    right before its update, in the same micro-batch rows (row_order) as the first training epoch, so the first
+    epoch's ratio is bit-exactly 1 (see ppo_update). Then the per-token rewards, GAE, whitening and, for tokens that
+    an older policy sampled, the decoupled-PPO importance weights (Hilton et al. 2022; AReaL):
+        w_t = exp(prox_logp_t - behav_logp_t), capped at --is-cap (truncated or masked); exactly 1 for fresh tokens.
+    version: the trainer's policy version (None = every token is fresh: plain PPO). Returns the per-token KL."""
+    batch.old_logprobs, batch.values = torch.zeros_like(batch.behav_logprobs), torch.zeros_like(batch.behav_logprobs)
+    for rows, mb in micro_batches(batch, cfg, row_order):
+        batch.old_logprobs[rows] = sequence_logprobs(policy, *full_sequence(mb), mb.response, mb.response_mask,
+                                                     cfg.temperature, mb.kept_ids, cfg.full_logits)[0]
+        batch.values[rows] = critic_values(critic, mb)
+    mask = batch.response_mask.bool()
+    kl = torch.where(mask, kl_estimate(batch.old_logprobs, batch.ref_logprobs, cfg.kl_estimator), 0.0)  # (B, T)
+    batch.rewards = per_token_rewards(batch.scores, kl, batch.response_mask, cfg.kl_coef)
+    advantages, batch.returns = gae(batch.rewards, batch.values, batch.response_mask, cfg.gamma, cfg.lam)
     batch.advantages = masked_whiten(advantages, batch.response_mask)
+    age = torch.zeros_like(batch.policy_version) if version is None else version - batch.policy_version  # (B, T)
+    weight = torch.where(age == 0, 1.0, torch.exp(batch.old_logprobs - batch.behav_logprobs))
+    capped = mask & (weight > cfg.is_cap)
+    batch.is_weight = torch.where(capped, cfg.is_cap if cfg.is_mode == "truncate" else 0.0, weight)
+    batch.loss_mask = (mask & ((age <= cfg.max_token_age) if cfg.max_token_age >= 0 else True)).long()
+    batch.correction = {"staleness_mean": float(masked_mean(age.float(), mask)),
+                        "staleness_max": int(torch.where(mask, age, 0).max()),
+                        "is_weight_mean": float(masked_mean(batch.is_weight, mask)),
+                        "is_weight_max": float(torch.where(mask, weight, 0.0).max()),
+                        "is_capped_frac": float(masked_mean(capped.float(), mask)),
+                        "tokens_dropped": int((mask & ~batch.loss_mask.bool()).sum())}
     return kl
 
 
@@ -618,18 +674,21 @@ def score_rollouts(batch: Rollout, policy, reference, critic, reward_fn, cfg: Co
 # PPO loss
 
 
-def policy_loss(logprobs, old_logprobs, advantages, mask, clip_range, n_tokens=None):
+def policy_loss(logprobs, old_logprobs, advantages, mask, clip_range, n_tokens=None, is_weight=None):
     """Clipped surrogate (Schulman et al., 2017), averaged over real tokens (token-level mean: every token of the
     minibatch weighs the same, however long its sequence):
         ratio_t = exp(logp_t - old_logp_t),
         L = mean_t max(-A_t * ratio_t, -A_t * clip(ratio_t, 1 - eps, 1 + eps)).
     n_tokens: the denominator, the real tokens of the whole minibatch when this is one micro-batch of it.
+    is_weight: decoupled PPO (old = the proximal policy): each token's term times its importance weight
+    pi_prox / pi_behav; None or all ones (fresh tokens) is standard PPO, to the bit.
     Returns (loss, stats) with clip fraction and approx KL(old || new) = mean (ratio - 1) - log ratio (k3)."""
     log_ratio = logprobs - old_logprobs
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
-    loss = masked_mean(torch.maximum(unclipped, clipped), mask, n_tokens)
+    per_token = torch.maximum(unclipped, clipped)
+    loss = masked_mean(per_token if is_weight is None else per_token * is_weight, mask, n_tokens)
     with torch.no_grad():
         stats = {"clipfrac": masked_mean((clipped > unclipped).to(ratio.dtype), mask, n_tokens),
                  "approx_kl": masked_mean(torch.expm1(log_ratio) - log_ratio, mask, n_tokens),
@@ -666,40 +725,36 @@ def ppo_update(policy, critic, policy_opt, critic_opt, batch: Rollout, cfg: Conf
     B = batch.response.shape[0]
     minibatch_size = B // cfg.minibatches
     micro = cfg.micro_batch_size or minibatch_size
-    sums, n_total = {}, 0
+    sums, n_steps, first_ratio_max_dev = {}, 0, torch.zeros(())
     for epoch in range(cfg.ppo_epochs):
         for mb_rows in row_orders[epoch].to(batch.response.device).split(minibatch_size):
-            mb_tokens = batch.response_mask[mb_rows].sum()
+            mb_tokens = batch.loss_mask[mb_rows].sum()
             for rows in mb_rows.split(micro):
                 mb = batch.rows(rows)
                 seq = full_sequence(mb)
                 logprobs, entropy = sequence_logprobs(policy, *seq, mb.response, mb.response_mask, cfg.temperature,
                                                       mb.kept_ids, cfg.full_logits)
-                pg_loss, pg_stats = policy_loss(logprobs, mb.old_logprobs, mb.advantages, mb.response_mask,
-                                                cfg.clip_range, mb_tokens)
-                entropy_mean = masked_mean(entropy, mb.response_mask, mb_tokens)
+                pg_loss, pg_stats = policy_loss(logprobs, mb.old_logprobs, mb.advantages, mb.loss_mask,
+                                                cfg.clip_range, mb_tokens, mb.is_weight)
+                entropy_mean = masked_mean(entropy, mb.loss_mask, mb_tokens)
                 (pg_loss - cfg.entropy_coef * entropy_mean).backward()
                 values = critic_values(critic, mb)
-                vf_loss, vf_stats = value_loss(values, mb.values, mb.returns, mb.response_mask, cfg.value_clip_range,
+                vf_loss, vf_stats = value_loss(values, mb.values, mb.returns, mb.loss_mask, cfg.value_clip_range,
                                                mb_tokens)
                 vf_loss.backward()
-                step_stats = {"pg_loss": pg_loss.detach(), "vf_loss": vf_loss.detach(), "entropy": entropy_mean.detach(),
-                              **pg_stats, **vf_stats}
-                for k, v in step_stats.items():  # token-weighted sums of the micro-batch means; .item() only at the end
-                    if k == "ratio_max_dev":
-                        if epoch == 0 and n_total == 0:  # the first minibatch: must be exactly 0 (same weights)
-                            sums["first_ratio_max_dev"] = torch.maximum(sums.get("first_ratio_max_dev", v), v)
-                        continue
-                    sums[k] = sums.get(k, 0.0) + v
-            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)
-            critic_grad_norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), cfg.max_grad_norm)
-            policy_opt.step(), critic_opt.step()
-            policy_opt.zero_grad(set_to_none=True), critic_opt.zero_grad(set_to_none=True)
-            sums["grad_norm"] = sums.get("grad_norm", 0.0) + grad_norm
-            sums["critic_grad_norm"] = sums.get("critic_grad_norm", 0.0) + critic_grad_norm
-            n_total += 1
-    stats = {k: float(v) / (1 if k == "first_ratio_max_dev" else n_total) for k, v in sums.items()}
-    return stats
+                ratio_max_dev = pg_stats.pop("ratio_max_dev")
+                if n_steps == 0:  # the first minibatch: the weights are the ones scoring used, so this must be 0
+                    first_ratio_max_dev = torch.maximum(first_ratio_max_dev, ratio_max_dev)
+                step_stats = {"pg_loss": pg_loss, "vf_loss": vf_loss, "entropy": entropy_mean, **pg_stats, **vf_stats}
+                for k, v in step_stats.items():  # micro-batch shares add up to minibatch means; .item() only at the end
+                    sums[k] = sums.get(k, 0.0) + v.detach()
+            for name, model in (("grad_norm", policy), ("critic_grad_norm", critic)):
+                sums[name] = sums.get(name, 0.0) + torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            for optimizer in (policy_opt, critic_opt):
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            n_steps += 1
+    return {**{k: float(v) / n_steps for k, v in sums.items()}, "first_ratio_max_dev": float(first_ratio_max_dev)}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -737,11 +792,11 @@ def evaluate(policy, tokenizer, prompt_ids, prompt_texts, cfg: Config, seed: int
 
 def demo_warmup(policy, tokenizer, train_pairs, cfg: Config):
     """Supervised warm-up on the addition task until sampled accuracy on 256 fresh training prompts reaches
-    --demo-warmup-target (checked every 10 steps), so PPO starts from a policy that is sometimes right. The jump in
+    --demo-warmup-target (checked every 5 steps), so PPO starts from a policy that is sometimes right. The jump in
     accuracy comes anywhere between ~250 and 600+ steps depending on the seed, hence adaptive, not a fixed count.
     Cached on disk by (model config, vocabulary, seed, warm-up settings): a second run loads it."""
     key = json.dumps([policy.config.to_json_string(), sorted(tokenizer.get_vocab().items()), cfg.seed,
-                      cfg.demo_warmup_lr, cfg.demo_warmup_target, cfg.demo_warmup_max_steps, "v1"])
+                      cfg.demo_warmup_lr, cfg.demo_warmup_target, cfg.demo_warmup_max_steps, "v3"])
     path = os.path.join(os.path.expanduser(cfg.demo_cache), f"demo-warmup-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt")
     if os.path.exists(path):
         saved = torch.load(path, map_location=policy.device)
@@ -753,7 +808,7 @@ def demo_warmup(policy, tokenizer, train_pairs, cfg: Config):
     device, t0 = policy.device, time.time()
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.demo_warmup_lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 50))  # 50-step LR warm-up
-    rng = random.Random(cfg.seed)
+    rng, check_rng = random.Random(cfg.seed), random.Random(cfg.seed + 1)  # training rows, accuracy-check rows
     all_ids = format_prompts(tokenizer, [addition_prompt(a, b) for a, b in train_pairs], False, 64)
     accuracy, step = 0.0, 0
     for step in range(1, cfg.demo_warmup_max_steps + 1):
@@ -764,11 +819,13 @@ def demo_warmup(policy, tokenizer, train_pairs, cfg: Config):
         loss = -masked_mean(logprobs, batch.response_mask)  # cross-entropy on the answer and its EOS only
         loss.backward()
         torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
-        optimizer.step(), schedule.step(), optimizer.zero_grad(set_to_none=True)
-        if step % 10 == 0:
-            rows = rng.sample(range(len(train_pairs)), 256)
-            accuracy, _ = evaluate(policy, tokenizer, [all_ids[i] for i in rows],
-                                   [addition_prompt(*train_pairs[i]) for i in rows], cfg, seed=step)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step % 5 == 0:  # often: the accuracy jumps within a few steps and PPO must start below ~40%
+            check = check_rng.sample(range(len(train_pairs)), 256)
+            accuracy, _ = evaluate(policy, tokenizer, [all_ids[i] for i in check],
+                                   [addition_prompt(*train_pairs[i]) for i in check], cfg, seed=step)
             print(f"\rwarm-up step {step}: loss {loss.item():.3f}, sampled train accuracy {accuracy:.2f}", end="", flush=True)
             if accuracy >= cfg.demo_warmup_target:
                 break
@@ -776,6 +833,186 @@ def demo_warmup(policy, tokenizer, train_pairs, cfg: Config):
     os.makedirs(os.path.dirname(path), exist_ok=True)
     torch.save({"state_dict": policy.state_dict(), "steps": step, "accuracy": accuracy}, path + ".tmp")
     os.replace(path + ".tmp", path)  # atomic: a killed run never leaves a half-written cache entry
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the overlapped loop: sampler thread, bounded queue, packed weight sync, timing
+#
+# Generation dominates RL wall-clock time and leaves the trainer idle, so (as verl, AReaL, PipelineRL, PRIME-RL do)
+# a sampler copy of the policy generates the next batches while the trainer updates on the current one:
+#   producer thread: wait until the trainer has published version >= i - max_staleness, pull those weights, sample
+#                    batch i, score it with the frozen models (reference log-probs, reward), put it in the queue;
+#   trainer (main thread): take a batch, recompute proximal log-probs and values, update, publish the new weights.
+# A thread rather than cooperative interleaving: every PyTorch op releases the GIL, so the sampler's Python-bound
+# decode loop runs while the trainer's kernels run, and on CUDA the two threads' kernels go to separate streams and
+# overlap on the device, without either side having to yield at hand-picked points.
+
+
+def flatten_parameters(model, dtype=None):
+    """Make every parameter of `model` a view into one flat buffer (of `dtype`), so a weight sync is one copy of one
+    tensor instead of one call per tensor. Returns the buffer."""
+    params = list(model.parameters())  # each tied weight once
+    if len({p.dtype for p in params}) != 1:
+        raise SystemExit("the packed weight sync needs all parameters in one dtype; use --dtype float32 or bfloat16")
+    flat = torch.empty(sum(p.numel() for p in params), dtype=dtype or params[0].dtype, device=params[0].device)
+    offset = 0
+    for p in params:
+        flat[offset:offset + p.numel()].copy_(p.detach().reshape(-1))
+        p.data = flat[offset:offset + p.numel()].view_as(p)
+        offset += p.numel()
+    return flat
+
+
+class WeightSync:
+    """Trainer -> sampler weights through packed buffers: publish() copies the trainer's flat fp32 weights into a
+    staging buffer of the sampler's dtype (one copy, on the trainer's stream, with the cast), pull() copies staging
+    into the sampler's own flat weights (one copy, on the sampler's stream) at the sampler's safe points. CUDA events
+    order the two copies, so neither thread waits for the other's device work: only the short critical sections
+    that enqueue a copy hold the lock. The staging buffer is what lets the trainer go on updating its weights while
+    the sampler still generates with the previous version."""
+
+    def __init__(self, policy, sampler):
+        self.trainer_flat = flatten_parameters(policy)
+        self.sampler_flat = flatten_parameters(sampler)
+        self.staging = self.sampler_flat.clone()
+        self.cuda = self.sampler_flat.is_cuda
+        self.published, self.pulled = (torch.cuda.Event(enable_timing=True) if self.cuda else None for _ in range(2))
+        self.start = torch.cuda.Event(enable_timing=True) if self.cuda else None
+        self.lock = threading.Condition()
+        self.version, self.sampler_version, self.publish_s = 0, 0, 0.0
+
+    def publish(self, version: int):  # trainer thread, after the optimizer steps of an update
+        with self.lock:
+            t0 = time.perf_counter()
+            if self.cuda:
+                torch.cuda.current_stream().wait_event(self.pulled)  # the sampler has finished reading staging
+                self.start.record()
+            self.staging.copy_(self.trainer_flat)
+            if self.cuda:
+                self.published.record()
+            self.publish_s = time.perf_counter() - t0
+            self.version = version
+            self.lock.notify_all()
+
+    def sync_ms(self) -> float:  # the last publish's copy time (device time on CUDA)
+        return self.start.elapsed_time(self.published) if self.cuda else 1e3 * self.publish_s
+
+    def pull(self) -> int:  # sampler thread, between batches (or decode steps): take the newest version
+        with self.lock:
+            if self.version != self.sampler_version:
+                if self.cuda:
+                    torch.cuda.current_stream().wait_event(self.published)
+                self.sampler_flat.copy_(self.staging)
+                if self.cuda:
+                    self.pulled.record()
+                self.sampler_version = self.version
+            return self.sampler_version
+
+    def wait_for(self, version: int, stop: threading.Event):  # sampler: block until `version` is published
+        with self.lock:
+            while self.version < version and not stop.is_set():
+                self.lock.wait(0.05)
+
+
+class Tracer:
+    """Busy spans of both sides: summed per iteration for the log, and with --trace written as a Chrome trace."""
+
+    def __init__(self, path: str):
+        self.path, self.events, self.totals, self.t0 = path, [], {}, time.perf_counter()
+        self.lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def span(self, name: str, side: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            end = time.perf_counter()
+            with self.lock:
+                key = f"{side}_{'wait' if name.startswith('wait') else 'busy'}_s"
+                self.totals[key] = self.totals.get(key, 0.0) + end - start
+                if self.path:
+                    self.events.append({"name": name, "ph": "X", "pid": 0, "tid": 1 if side == "trainer" else 2,
+                                        "ts": 1e6 * (start - self.t0), "dur": 1e6 * (end - start)})
+
+    def take(self) -> dict:  # the totals since the last take
+        with self.lock:
+            totals, self.totals = self.totals, {}
+        return totals
+
+    def write(self):
+        if self.path:
+            names = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": t, "args": {"name": n}}
+                     for t, n in ((1, "trainer"), (2, "sampler"))]
+            write_json({"traceEvents": names + self.events, "displayTimeUnit": "ms"}, self.path)
+
+
+class Producer:
+    """Runs make_batch(i) for i = 0, 1, ... in a thread, at most max_staleness versions ahead of the trainer, into a
+    bounded queue; or inline (threaded=False). Exceptions in the thread re-raise in the trainer; close() stops and
+    joins the thread, also on error or Ctrl-C, so nothing hangs."""
+
+    def __init__(self, make_batch, sync: WeightSync, tracer: Tracer, max_staleness: int, n: int, threaded: bool):
+        self.make_batch, self.sync, self.tracer, self.max_staleness = make_batch, sync, tracer, max_staleness
+        self.queue, self.stop, self.next_index = queue.Queue(maxsize=max(1, max_staleness)), threading.Event(), 0
+        self.stream = torch.cuda.Stream() if sync.cuda else None  # the sampler's own CUDA stream
+        self.thread = threading.Thread(target=self._run, args=(n,), daemon=True, name="ppo_tokens-sampler") if threaded else None
+        if self.thread is not None:
+            self.thread.start()
+
+    def _produce(self, i: int):
+        with self.tracer.span("wait for weights", "sampler"):
+            self.sync.wait_for(i - self.max_staleness, self.stop)
+        if self.stop.is_set():
+            return None
+        with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+            batch = self.make_batch(i)
+            if self.stream is not None:
+                self.stream.synchronize()  # the batch is complete before the trainer's stream reads it
+        return batch
+
+    def _run(self, n: int):
+        if self.stream is None:  # CPU: the Python-bound decode needs one core; the trainer keeps the others
+            torch.set_num_threads(1)  # (intra-op threads are per calling thread)
+        try:
+            for i in range(n):
+                item = self._produce(i)
+                with self.tracer.span("wait for queue space", "sampler"):
+                    while not self.stop.is_set():
+                        try:
+                            self.queue.put(item, timeout=0.05)
+                            break
+                        except queue.Full:
+                            pass
+                if self.stop.is_set():
+                    return
+        except BaseException as e:  # SystemExit from a reward check too: hand it to the trainer
+            self.queue.put(e)
+
+    def get(self) -> Rollout:
+        if self.thread is None:
+            batch, self.next_index = self._produce(self.next_index), self.next_index + 1
+            return batch
+        with self.tracer.span("wait for a batch", "trainer"):
+            while True:
+                try:
+                    item = self.queue.get(timeout=0.05)
+                    break
+                except queue.Empty:
+                    if not self.thread.is_alive():
+                        raise RuntimeError("the sampler thread stopped without a batch")
+        if isinstance(item, BaseException):
+            raise item
+        if self.stream is not None:  # memory made on the sampler's stream, now also used on the trainer's
+            for t in vars(item).values():
+                if isinstance(t, torch.Tensor):
+                    t.record_stream(torch.cuda.current_stream())
+        return item
+
+    def close(self):
+        self.stop.set()
+        if self.thread is not None:
+            self.thread.join(timeout=30)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -822,7 +1059,8 @@ def save_policy(policy, tokenizer, path: str):
     """save_pretrained + tokenizer into path, written beside it first and renamed into place."""
     tmp = path + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    policy.save_pretrained(tmp)
+    # cloned: the trainer's parameters are views into one flat buffer, which safetensors would see as shared memory
+    policy.save_pretrained(tmp, state_dict={k: v.detach().clone() for k, v in policy.state_dict().items()})
     tokenizer.save_pretrained(tmp)
     if os.path.exists(path):
         shutil.rmtree(path)
@@ -834,7 +1072,7 @@ def format_line(r: dict, steps: int) -> str:
     return (f"it {r['step']:>4}/{steps} | reward {r['reward_mean']:.3f}{acc} | kl {r['kl']:.4f} | ent {r['entropy']:.3f}"
             f" | clip {r['clipfrac']:.3f} | vloss {r['vf_loss']:.4f} | ev {r['explained_variance']:.2f}"
             f" | len {r['response_length']:.1f} | gen {r['gen_tokens_per_s']:.0f} tok/s"
-            f" | train {r['train_tokens_per_s']:.0f} tok/s | {r['iter_s']:.2f}s")
+            f" | train {r['train_tokens_per_s']:.0f} tok/s | idle {r['trainer_idle_frac']:.0%} | {r['iter_s']:.2f}s")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -849,124 +1087,192 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def linear_decay(cfg: Config):  # LR multiplier after `s` scheduler steps (one per iteration)
-    return (lambda s: max(0.0, 1.0 - s / cfg.steps)) if cfg.lr_decay else (lambda s: 1.0)
-
-
-def main(argv=None):
-    cfg = parse_config(argv)
+def setup(cfg: Config):
+    """Tokenizer, policy (warmed up for the demo), frozen reference, critic, reward function and prompts."""
     device, dtype = resolve_device(cfg.device), getattr(torch, cfg.dtype)
     torch.manual_seed(cfg.seed)
-    output_dir = prepare_output_dir(cfg)
-
-    # models: policy (trained, also the sampler in this synchronous loop), reference (frozen), critic, reward
     if cfg.model:
         from transformers import AutoModelForCausalLM, AutoTokenizer
         tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-        policy = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=dtype)
+        policy = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
     else:
         tokenizer = build_demo_tokenizer()
-        policy = build_demo_policy(tokenizer, cfg.seed)
+        policy = build_demo_policy(tokenizer, cfg.seed, cfg.demo_hidden, cfg.demo_layers)
     if tokenizer.eos_token_id is None:
         raise SystemExit(f"the tokenizer of {cfg.model or 'the demo'} has no EOS token; set eos_token in its config")
     ensure_pad_token(tokenizer, policy)
     disable_dropout(policy)
-    policy.to(device, dtype).eval()  # eval mode too: dropout off twice over; gradients still flow
-
-    # prompts
+    policy.to(device, torch.float32).eval()  # fp32 master weights (bf16 Adam updates round away); eval: no dropout
+    run = dict(tokenizer=tokenizer, policy=policy, eval_ids=None, eval_texts=None)
     if cfg.prompts:
-        prompt_texts = load_prompts(cfg.prompts)
+        run["prompt_texts"] = load_prompts(cfg.prompts)
     else:
         train_pairs, eval_pairs = demo_pairs(cfg.eval_size)
-        prompt_texts = [addition_prompt(a, b) for a, b in train_pairs]
-        eval_texts = [addition_prompt(a, b) for a, b in eval_pairs]
-        eval_ids = format_prompts(tokenizer, eval_texts, cfg.chat_template, cfg.max_prompt_length)
+        run["prompt_texts"] = [addition_prompt(a, b) for a, b in train_pairs]
+        run["eval_texts"] = [addition_prompt(a, b) for a, b in eval_pairs]
+        run["eval_ids"] = format_prompts(tokenizer, run["eval_texts"], cfg.chat_template, cfg.max_prompt_length)
         demo_warmup(policy, tokenizer, train_pairs, cfg)
-    prompt_ids = format_prompts(tokenizer, prompt_texts, cfg.chat_template, cfg.max_prompt_length)
-    reference = copy.deepcopy(policy).requires_grad_(False)
-
+    run["prompt_ids"] = format_prompts(tokenizer, run["prompt_texts"], cfg.chat_template, cfg.max_prompt_length)
+    run["reference"] = copy.deepcopy(policy).to(dtype).requires_grad_(False)
     reward_model, same_tokenizer = None, False
     if cfg.reward_model:
         if not os.path.isdir(cfg.reward_model):
             raise SystemExit(f"--reward-model {cfg.reward_model}: no such directory")
         reward_model, rm_tokenizer = load_reward_model(cfg.reward_model, device, dtype)
-        same_tokenizer = rm_tokenizer.get_vocab() == tokenizer.get_vocab()
-        reward_fn = lambda b: reward_model_scores(reward_model, rm_tokenizer, tokenizer, b, cfg.chat_template,
-                                                  cfg.micro_batch_size or cfg.batch_size // cfg.minibatches)
+        same_tokenizer = same_vocabulary(rm_tokenizer, tokenizer)
+        run["reward_fn"] = lambda b: reward_model_scores(reward_model, rm_tokenizer, tokenizer, b, cfg.chat_template,
+                                                         cfg.micro_batch_size or cfg.batch_size // cfg.minibatches)
     else:
         rule = load_reward_function(cfg.reward) if cfg.reward else addition_reward
-        demo_rule = not cfg.reward  # the demo's exact match includes the EOS: digits then stop
-        reward_fn = lambda b: call_reward_function(rule, b.prompts, b.completions, device) * (b.ended if demo_rule else 1)
-    critic = build_critic(policy, reward_model, same_tokenizer)
+        demo_rule = not cfg.reward  # the demo's exact match includes the EOS: digits, then stop
+        run["reward_fn"] = lambda b: call_reward_function(rule, b.prompts, b.completions, device) * (b.ended if demo_rule else 1)
+    run["critic"] = build_critic(policy, reward_model, same_tokenizer)
     print(f"policy {sum(p.numel() for p in policy.parameters()) / 1e6:.2f}M parameters on {device}; critic from "
           f"{'the reward model' if reward_model is not None and same_tokenizer else 'the policy, zero-initialised head'}")
+    return dataclasses.make_dataclass("Run", run.keys())(**run)
 
-    policy_opt = torch.optim.AdamW(policy.parameters(), lr=cfg.lr, eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
-    critic_opt = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr, eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
-    schedules = [torch.optim.lr_scheduler.LambdaLR(o, linear_decay(cfg)) for o in (policy_opt, critic_opt)]
+
+def make_optimizers(cfg: Config, policy, critic):
+    """AdamW for each model (eps 1e-5: the N+ details), each with a linear decay to 0 over --steps (one step per
+    iteration) unless --no-lr-decay."""
+    adamw = lambda m, lr: torch.optim.AdamW(m.parameters(), lr=lr, eps=cfg.adam_eps, weight_decay=cfg.weight_decay,
+                                            fused=True)  # one kernel for all parameters, CPU and CUDA
+    policy_opt, critic_opt = adamw(policy, cfg.lr), adamw(critic, cfg.critic_lr)
+    decay = (lambda s: max(0.0, 1.0 - s / cfg.steps)) if cfg.lr_decay else (lambda s: 1.0)
+    return policy_opt, critic_opt, [torch.optim.lr_scheduler.LambdaLR(o, decay) for o in (policy_opt, critic_opt)]
+
+
+def train(cfg: Config, run, output_dir: str, threaded=None):
+    """The loop: the producer samples and scores with the frozen models, the trainer scores with the current weights
+    and updates. threaded=None: a sampler thread when --max-staleness > 0 or --inflight-updates, else inline (plain
+    synchronous PPO; the thread at staleness 0 gives the same result to the bit, only later)."""
+    policy, critic, tokenizer, device = run.policy, run.critic, run.tokenizer, run.policy.device
+    sampler_dtype = torch.bfloat16 if device.type == "cuda" else policy.dtype  # inference copy: bf16 on GPU
+    sampler = copy.deepcopy(policy).to(sampler_dtype).requires_grad_(False)
+    sync = WeightSync(policy, sampler)  # after this, policy's parameters live in one flat buffer
+    policy_opt, critic_opt, schedules = make_optimizers(cfg, policy, critic)
     write_json(dataclasses.asdict(cfg), os.path.join(output_dir, "config.json"))  # the config actually used
-    logger = Logger(cfg, output_dir)
-
-    # the loop: sample -> score -> update, synchronously
-    stream = PromptStream(len(prompt_ids), cfg.seed)
+    logger, tracer = Logger(cfg, output_dir), Tracer(cfg.trace)
+    stream = PromptStream(len(run.prompt_ids), cfg.seed)
     sample_generator = torch.Generator(device).manual_seed(cfg.seed)
     shuffle_generator = torch.Generator().manual_seed(cfg.seed + 1)
     eval_seed = cfg.seed + 2
-    start, history = time.time(), []
-    if is_demo(cfg):
-        first_accuracy, samples = evaluate(policy, tokenizer, eval_ids, eval_texts, cfg, eval_seed)
-        logger.log({"step": 0, "eval_accuracy": first_accuracy, "time_s": 0.0})
-        print(f"held-out sampled accuracy before PPO: {first_accuracy:.3f}")
-    for step in range(1, cfg.steps + 1):
-        t0 = time.time()
-        rows = stream.next_indices(cfg.batch_size)
-        ids, mask = left_pad([prompt_ids[i] for i in rows], tokenizer.pad_token_id, device)
-        batch = generate(policy, ids, mask, max_new_tokens=cfg.response_length, temperature=cfg.temperature,
-                         eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, generator=sample_generator,
-                         top_k=cfg.top_k, top_p=cfg.top_p, policy_version=step - 1)
-        batch.prompts, batch.completions = [prompt_texts[i] for i in rows], decode_completions(tokenizer, batch)
-        t_gen = time.time()
-        row_orders = [torch.randperm(cfg.batch_size, generator=shuffle_generator) for _ in range(cfg.ppo_epochs)]
-        kl = score_rollouts(batch, policy, reference, critic, reward_fn, cfg, row_orders[0])
-        t_score = time.time()
-        stats = ppo_update(policy, critic, policy_opt, critic_opt, batch, cfg, row_orders)
-        for schedule in schedules:
-            schedule.step()
-        t_end = time.time()
 
-        response_tokens = int(batch.response_mask.sum())
-        sequence_tokens = response_tokens + int(batch.prompt_mask.sum())
-        raw_scores = batch.scores + cfg.missing_eos_penalty * (~batch.ended).float()  # before the penalty
-        record = {"step": step, "reward_mean": float(raw_scores.mean()) if not cfg.whiten_scores else None,
-                  "score_mean": float(batch.scores.mean()), "kl": float(kl.sum(-1).mean()),
-                  "kl_per_token": float(masked_mean(kl, batch.response_mask)), **stats,
-                  "explained_variance": float(explained_variance(batch.values, batch.returns, batch.response_mask)),
-                  "response_length": response_tokens / cfg.batch_size, "response_tokens": response_tokens,
-                  "eos_fraction": float(batch.ended.float().mean()), "lr": schedules[0].get_last_lr()[0],
-                  "gen_s": t_gen - t0, "score_s": t_score - t_gen, "update_s": t_end - t_score, "iter_s": t_end - t0,
-                  "gen_tokens_per_s": response_tokens / (t_gen - t0),
-                  "train_tokens_per_s": cfg.ppo_epochs * sequence_tokens / (t_end - t_score)}
-        if record["reward_mean"] is None:
-            record["reward_mean"] = record["score_mean"]
-        if is_demo(cfg) and (step % cfg.eval_every == 0 or step == cfg.steps):
-            record["eval_accuracy"], samples = evaluate(policy, tokenizer, eval_ids, eval_texts, cfg, eval_seed)
-        record["time_s"] = time.time() - start
-        logger.log(record)
-        history.append(record)
-        print(format_line(record, cfg.steps), flush=True)
-        if cfg.sample_every and (step % cfg.sample_every == 0 or step == 1):
-            for p, c, s in zip(batch.prompts[:3], batch.completions[:3], raw_scores[:3].tolist()):
-                print(f"    {p!r} -> {c!r}  (score {s:.2f})")
+    def make_batch(i):  # the producer: sample batch i, score it with the frozen models
+        with tracer.span("generate", "sampler"):
+            t0, version = time.perf_counter(), sync.pull()
+            rows = stream.next_indices(cfg.batch_size)
+            ids, mask = left_pad([run.prompt_ids[r] for r in rows], tokenizer.pad_token_id, device)
+            batch = generate(sampler, ids, mask, max_new_tokens=cfg.response_length, temperature=cfg.temperature,
+                             eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, generator=sample_generator,
+                             top_k=cfg.top_k, top_p=cfg.top_p, policy_version=version,
+                             between_steps=sync.pull if cfg.inflight_updates else None)
+            batch.prompts, batch.completions = [run.prompt_texts[r] for r in rows], decode_completions(tokenizer, batch)
+            batch.gen_s = time.perf_counter() - t0
+        with tracer.span("score: reference, reward", "sampler"):
+            score_frozen(batch, run.reference, run.reward_fn, cfg)
+        return batch
 
+    threaded = (cfg.max_staleness > 0 or cfg.inflight_updates) if threaded is None else threaded
+    producer = Producer(make_batch, sync, tracer, cfg.max_staleness, cfg.steps, threaded)
+    start, history, first_accuracy = time.time(), [], None
+    try:
+        if run.eval_ids is not None:
+            first_accuracy, _ = evaluate(policy, tokenizer, run.eval_ids, run.eval_texts, cfg, eval_seed)
+            logger.log({"step": 0, "eval_accuracy": first_accuracy, "time_s": 0.0})
+            print(f"held-out sampled accuracy before PPO: {first_accuracy:.3f}")
+        tracer.take()
+        for step in range(1, cfg.steps + 1):
+            t0 = time.time()
+            batch = producer.get()
+            with tracer.span("score: old log-probs, values", "trainer"):
+                row_orders = [torch.randperm(cfg.batch_size, generator=shuffle_generator) for _ in range(cfg.ppo_epochs)]
+                kl = score_trainer(batch, policy, critic, cfg, row_orders[0], version=step - 1)
+            with tracer.span("update", "trainer"):
+                t_update = time.time()
+                lr = schedules[0].get_last_lr()[0]  # the learning rate this update uses
+                stats = ppo_update(policy, critic, policy_opt, critic_opt, batch, cfg, row_orders)
+                for schedule in schedules:
+                    schedule.step()
+                update_s = time.time() - t_update
+            with tracer.span("publish weights", "trainer"):
+                sync.publish(step)
+            record = iteration_record(step, batch, kl, stats, cfg, time.time() - t0, batch.gen_s, update_s,
+                                      tracer.take(), sync.sync_ms(), lr)
+            if run.eval_ids is not None and (step % cfg.eval_every == 0 or step == cfg.steps):
+                record["eval_accuracy"], _ = evaluate(policy, tokenizer, run.eval_ids, run.eval_texts, cfg, eval_seed)
+            record["time_s"] = time.time() - start
+            logger.log(record)
+            history.append(record)
+            print(format_line(record, cfg.steps), flush=True)
+            if cfg.sample_every and (step % cfg.sample_every == 0 or step == 1):
+                for p, c, s in zip(batch.prompts[:3], batch.completions[:3], batch.scores[:3].tolist()):
+                    print(f"    {p!r} -> {c!r}  (score {s:.2f})")
+    finally:
+        producer.close()
+        tracer.write()
+        logger.close()
     save_policy(policy, tokenizer, os.path.join(output_dir, "policy"))
-    logger.close()
-    first, last = history[: max(1, len(history) // 10)], history[-max(1, len(history) // 10):]
-    mean = lambda rs, k: sum(r[k] for r in rs) / len(rs)
-    print(f"\ndone: {cfg.steps} iterations in {time.time() - start:.0f} s; reward mean {mean(first, 'reward_mean'):.3f} "
-          f"(first tenth) -> {mean(last, 'reward_mean'):.3f} (last tenth)")
-    if is_demo(cfg):
+    summarize(history, first_accuracy, cfg, output_dir, time.time() - start)
+    return history
+
+
+def iteration_record(step, batch: Rollout, kl, stats, cfg: Config, iter_s, gen_s, update_s, busy, sync_ms, lr):
+    response_tokens = int(batch.response_mask.sum())
+    sequence_tokens = response_tokens + int(batch.prompt_mask.sum())
+    raw_scores = batch.scores + cfg.missing_eos_penalty * (~batch.ended).float()  # before the penalty
+    trainer_busy, sampler_busy = busy.get("trainer_busy_s", 0.0), busy.get("sampler_busy_s", 0.0)
+    return {"step": step, "reward_mean": float(batch.scores.mean() if cfg.whiten_scores else raw_scores.mean()),
+            "kl": float(kl.sum(-1).mean()), "kl_per_token": float(masked_mean(kl, batch.response_mask)), **stats,
+            "explained_variance": float(explained_variance(batch.values, batch.returns, batch.response_mask)),
+            "response_length": response_tokens / cfg.batch_size, "response_tokens": response_tokens,
+            "eos_fraction": float(batch.ended.float().mean()), "lr": lr, **batch.correction,
+            "iter_s": iter_s, "gen_tokens_per_s": response_tokens / gen_s,
+            "train_tokens_per_s": cfg.ppo_epochs * sequence_tokens / update_s,
+            "tokens_per_s": response_tokens / iter_s,  # end to end: what the overlap buys
+            "trainer_busy_s": trainer_busy, "trainer_wait_s": busy.get("trainer_wait_s", 0.0),
+            "sampler_busy_s": sampler_busy, "sampler_wait_s": busy.get("sampler_wait_s", 0.0),
+            "trainer_idle_frac": max(0.0, 1.0 - trainer_busy / iter_s),
+            "overlap_frac": max(0.0, trainer_busy + sampler_busy - iter_s) / iter_s,  # both busy at once
+            "weight_sync_ms": sync_ms}
+
+
+def summarize(history, first_accuracy, cfg: Config, output_dir: str, seconds: float):
+    tenth = max(1, len(history) // 10)
+    mean = lambda rs: sum(r["reward_mean"] for r in rs) / len(rs)
+    print(f"\ndone: {len(history)} iterations in {seconds:.0f} s; reward mean {mean(history[:tenth]):.3f} (first "
+          f"tenth) -> {mean(history[-tenth:]):.3f} (last tenth)")
+    if first_accuracy is not None:
         print(f"held-out sampled accuracy: {first_accuracy:.3f} before PPO -> {history[-1]['eval_accuracy']:.3f} after")
     print(f"policy saved to {os.path.join(output_dir, 'policy')}; metrics in {os.path.join(output_dir, 'metrics.jsonl')}")
+
+
+def bench_overlap(cfg: Config, output_dir: str):
+    """--bench-overlap: the same run at --max-staleness 0, 1, 2, one after the other in this process; prints end-to-end
+    tokens/s (and its ratio to staleness 0), trainer idle fraction, and the reward reached by the same wall time."""
+    results = {}
+    for staleness in (0, 1, 2):
+        c = dataclasses.replace(cfg, max_staleness=staleness, output_dir=os.path.join(output_dir, f"staleness{staleness}"),
+                                bench_overlap=False, eval_every=10 ** 9, sample_every=0)
+        os.makedirs(c.output_dir, exist_ok=True)
+        results[staleness] = train(c, setup(c), c.output_dir)
+    common = min(h[-1]["time_s"] for h in results.values())  # the wall time every run reached
+    base = sum(r["response_tokens"] for r in results[0]) / results[0][-1]["time_s"]
+    print(f"\n{'staleness':>9} | {'tokens/s':>9} | {'vs 0':>5} | {'trainer idle':>12} | {'sync ms':>7} | reward at {common:.0f} s")
+    for staleness, h in results.items():
+        tokens_per_s = sum(r["response_tokens"] for r in h) / h[-1]["time_s"]
+        idle = sum(r["trainer_idle_frac"] * r["iter_s"] for r in h) / sum(r["iter_s"] for r in h)
+        reached = [r for r in h if r["time_s"] <= common][-5:]
+        print(f"{staleness:>9} | {tokens_per_s:>9.0f} | {tokens_per_s / base:>4.2f}x | {idle:>12.2f} | "
+              f"{sum(r['weight_sync_ms'] for r in h) / len(h):>7.2f} | {sum(r['reward_mean'] for r in reached) / len(reached):.3f}")
+
+
+def main(argv=None):
+    cfg = parse_config(argv)
+    output_dir = prepare_output_dir(cfg)
+    if cfg.bench_overlap:
+        return bench_overlap(cfg, output_dir)
+    train(cfg, setup(cfg), output_dir)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,14 @@
 """Tests for ppo_tokens.py and kernels.py: every numeric piece against a plain reference (float64 where it matters),
 every PPO detail with a test that fails when it breaks, and the real entry point on tiny budgets.
-Run: python -m pytest -q test_ppo_tokens.py   (CPU; Triton kernels run under TRITON_INTERPRET=1)"""
+Run: python -m pytest -q test_ppo_tokens.py   (CPU: Triton kernels run under TRITON_INTERPRET=1; on a CUDA machine the
+kernel tests run compiled on the GPU)"""
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: its kernels then run on CPU tensors
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: its kernels then run on CPU tensors
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 
 import json
 import math
@@ -13,7 +18,6 @@ import time
 from types import SimpleNamespace
 
 import pytest
-import torch
 
 import kernels
 import ppo_tokens as pt
@@ -179,6 +183,9 @@ def kernel_env(monkeypatch):
     # kernels should write but do not shows up as NaN.
     monkeypatch.setattr(kernels, "BLOCK_V", BLOCK)
     monkeypatch.setattr(kernels, "_POISON", True)
+    torch.set_default_device(KERNEL_DEVICE)  # compiled kernels on a CUDA machine, the interpreter on CPU
+    yield
+    torch.set_default_device("cpu")
 
 
 def close(actual, expected, rtol, atol, what):
@@ -599,7 +606,7 @@ def test_critic_starts_at_zero_or_from_the_reward_model(tokenizer):
 
 
 def tiny_setup(tokenizer, **cfg_overrides):
-    cfg = pt.Config(batch_size=8, minibatches=2, ppo_epochs=2, response_length=4, **cfg_overrides)
+    cfg = pt.Config(**{"batch_size": 8, "minibatches": 2, "ppo_epochs": 2, "response_length": 4, **cfg_overrides})
     pt.check_config(cfg)
     policy = tiny_llama(len(tokenizer), seed=4, dtype=torch.float32)
     pt.disable_dropout(policy)
@@ -610,6 +617,11 @@ def tiny_setup(tokenizer, **cfg_overrides):
     return cfg, policy, reference, critic, batch
 
 
+def score(batch, policy, reference, critic, reward_fn, cfg, row_order=None):
+    pt.score_frozen(batch, reference, reward_fn, cfg)
+    return pt.score_trainer(batch, policy, critic, cfg, row_order)
+
+
 def constant_reward(value):
     return lambda b: torch.full((b.response.shape[0],), float(value))
 
@@ -617,29 +629,72 @@ def constant_reward(value):
 def test_ratio_is_exactly_one_on_the_first_minibatch(tokenizer):
     cfg, policy, reference, critic, batch = tiny_setup(tokenizer, micro_batch_size=2)
     orders = [torch.randperm(8) for _ in range(cfg.ppo_epochs)]
-    pt.score_rollouts(batch, policy, reference, critic, constant_reward(1.0), cfg, orders[0])
+    score(batch, policy, reference, critic, constant_reward(1.0), cfg, orders[0])
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (policy, critic)]
     stats = pt.ppo_update(policy, critic, *opts, batch, cfg, orders)
     assert stats["first_ratio_max_dev"] == 0.0
     assert stats["approx_kl"] > 0  # the later minibatches did move the policy
 
 
+def sgd_update(tokenizer, **cfg_overrides):  # one ppo_update with plain SGD (lr 1): the step is the gradient
+    cfg, policy, reference, critic, batch = tiny_setup(tokenizer, **cfg_overrides)
+    orders = [torch.randperm(8, generator=torch.Generator().manual_seed(0)) for _ in range(cfg.ppo_epochs)]
+    score(batch, policy, reference, critic, lambda b: torch.arange(8.0), cfg, orders[0])
+    before = [p.detach().clone() for p in policy.parameters()]
+    opts = [torch.optim.SGD(m.parameters(), lr=1.0) for m in (policy, critic)]
+    stats = pt.ppo_update(policy, critic, *opts, batch, cfg, orders)
+    return stats, [p.detach() - b for p, b in zip(policy.parameters(), before)]
+
+
+def test_micro_batch_accumulation_gives_the_minibatch_gradient(tokenizer):
+    _, whole = sgd_update(tokenizer, ppo_epochs=1, minibatches=1)
+    _, micro = sgd_update(tokenizer, ppo_epochs=1, minibatches=1, micro_batch_size=2)
+    for a, b in zip(whole, micro):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    assert max(float(a.abs().max()) for a in whole) > 1e-4
+
+
+def test_gradient_clipping_bounds_each_step(tokenizer):
+    stats, step = sgd_update(tokenizer, ppo_epochs=1, minibatches=1, max_grad_norm=1e-3)
+    assert stats["grad_norm"] > 1e-3  # clipping was needed ...
+    norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(s) for s in step])))
+    assert abs(norm - 1e-3) < 1e-6  # ... and the step (lr 1) has exactly the clipped norm
+
+
+def test_adamw_eps_and_linear_lr_decay(tokenizer):
+    cfg = pt.Config(steps=10, lr=1e-3)
+    policy, critic = tiny_llama(len(tokenizer), dtype=torch.float32), tiny_llama(len(tokenizer), dtype=torch.float32)
+    policy_opt, critic_opt, schedules = pt.make_optimizers(cfg, policy, critic)
+    assert policy_opt.param_groups[0]["eps"] == 1e-5 and critic_opt.param_groups[0]["lr"] == cfg.critic_lr
+    lrs = []
+    for _ in range(10):
+        lrs.append(schedules[0].get_last_lr()[0])
+        policy_opt.step()
+        schedules[0].step()
+    assert lrs == pytest.approx([1e-3 * (1 - s / 10) for s in range(10)])
+    cfg.lr_decay = False
+    policy_opt, _, schedules = pt.make_optimizers(cfg, policy, critic)
+    policy_opt.step()
+    schedules[0].step()
+    assert schedules[0].get_last_lr()[0] == 1e-3
+
+
 def test_missing_eos_penalty_and_score_whitening(tokenizer):
     cfg, policy, reference, critic, batch = tiny_setup(tokenizer, missing_eos_penalty=0.5)
     batch.ended = torch.tensor([True, False] * 4)
-    pt.score_rollouts(batch, policy, reference, critic, constant_reward(1.0), cfg)
+    score(batch, policy, reference, critic, constant_reward(1.0), cfg)
     assert batch.scores.tolist() == [1.0, 0.5] * 4
     cfg.whiten_scores = True
-    pt.score_rollouts(batch, policy, reference, critic, lambda b: torch.arange(8.0), cfg)
+    score(batch, policy, reference, critic, lambda b: torch.arange(8.0), cfg)
     assert abs(float(batch.scores.mean())) < 1e-6 and abs(float(batch.scores.std()) - 1) < 1e-4
 
 
 def test_kl_in_the_reward_and_identical_reference_gives_zero_kl(tokenizer):
     cfg, policy, _, critic, batch = tiny_setup(tokenizer, kl_coef=0.1)
-    kl = pt.score_rollouts(batch, policy, policy, critic, constant_reward(0.0), cfg)
+    kl = score(batch, policy, policy, critic, constant_reward(0.0), cfg)
     assert float(kl.abs().max()) == 0.0  # reference == policy: no penalty
     cfg, policy, reference, critic, batch = tiny_setup(tokenizer, kl_coef=0.1, kl_estimator="k3")
-    kl = pt.score_rollouts(batch, policy, reference, critic, constant_reward(0.0), cfg)
+    kl = score(batch, policy, reference, critic, constant_reward(0.0), cfg)
     expected = torch.where(batch.response_mask.bool(), -0.1 * pt.kl_estimate(batch.old_logprobs, batch.ref_logprobs, "k3"), 0.0)
     torch.testing.assert_close(batch.rewards, expected)
     assert (kl >= 0).all() and float(kl.max()) > 0
@@ -656,8 +711,8 @@ def test_reward_model_scores_at_last_token_with_same_or_different_tokenizer(toke
     other = copy.deepcopy(tokenizer)
     other.add_special_tokens({"additional_special_tokens": ["<extra>"]})  # another vocabulary: decode + re-tokenize
     retokenized = pt.reward_model_scores(rm, other, tokenizer, batch, False, 2)
-    # the re-tokenized text drops the EOS, so compare with the rollout scored without it
-    n_real = batch.response_mask.sum(-1) - batch.ended.long()
+    # the re-tokenized text gets the EOS back, so both read the score at the EOS
+    n_real = batch.response_mask.sum(-1)
     ids, mask, pos = pt.full_sequence(batch)
     P = batch.prompt_ids.shape[1]
     expected = torch.stack([rm(ids[i:i + 1], mask[i:i + 1], pos[i:i + 1])[0, P + n_real[i] - 1] for i in range(3)])
@@ -671,7 +726,8 @@ def test_config_errors_name_the_flags(capsys):
     cases = [(["--batch-size", "10", "--minibatches", "4"], "--batch-size 10 must be divisible by --minibatches 4"),
              (["--batch-size", "16", "--minibatches", "2", "--micro-batch-size", "3"], "--micro-batch-size 3"),
              (["--temperature", "0"], "--temperature must be > 0"),
-             (["--max-staleness", "1"], "--max-staleness must be 0"),
+             (["--max-staleness", "-1"], "--max-staleness must be >= 0"),
+             (["--is-mode", "clip"], "--is-mode must be truncate or mask"),
              (["--kl-estimator", "k2"], "--kl-estimator must be k1 or k3")]
     for argv, message in cases:
         with pytest.raises(SystemExit) as e:
@@ -780,3 +836,146 @@ def test_demo_learns_a_little_in_a_few_iterations(tmp_path):
     mean = lambda rs: sum(r["reward_mean"] for r in rs) / len(rs)
     assert mean(last) > mean(first) + 0.03, (mean(first), mean(last), out[-2000:])
     assert "warm-up:" in out and "held-out sampled accuracy" in out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the overlapped loop: sampler thread, versions, weight sync, off-policy correction, shutdown
+
+
+def test_packed_weight_sync_makes_sampler_and_trainer_weights_identical():
+    policy, sampler = tiny_llama(16, seed=1, dtype=torch.float32), tiny_llama(16, seed=2, dtype=torch.float32)
+    sync = pt.WeightSync(policy, sampler)
+    assert all(p.data_ptr() >= sync.sampler_flat.data_ptr() for p in sampler.parameters())  # views of one buffer
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(torch.randn_like(p))  # the trainer moves on
+    assert sync.pull() == 0 and not torch.equal(sampler.lm_head.weight, policy.lm_head.weight)  # nothing published
+    sync.publish(1)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.mul_(2)  # after publishing: the sampler must get version 1, not this
+    assert sync.pull() == 1
+    for (name, p), q in zip(policy.named_parameters(), sampler.parameters()):
+        assert torch.equal(p / 2, q), name
+    assert sync.sync_ms() >= 0
+
+
+def test_importance_weights_are_exactly_one_for_fresh_tokens_and_version_rejection_counts(tokenizer):
+    cfg, policy, reference, critic, batch = tiny_setup(tokenizer, max_token_age=1)
+    batch.policy_version = torch.tensor([[5], [4], [3], [5], [4], [3], [5], [5]]).expand_as(batch.response).clone()
+    batch.behav_logprobs = batch.behav_logprobs + 0.3 * torch.randn_like(batch.behav_logprobs)  # stale behaviour
+    pt.score_frozen(batch, reference, constant_reward(1.0), cfg)
+    pt.score_trainer(batch, policy, critic, cfg, version=5)
+    mask, age = batch.response_mask.bool(), 5 - batch.policy_version
+    assert (batch.is_weight[mask & (age == 0)] == 1.0).all()  # exactly 1, though behav != prox numerically
+    expected = torch.exp(batch.old_logprobs - batch.behav_logprobs).clamp(max=cfg.is_cap)
+    torch.testing.assert_close(batch.is_weight[mask & (age > 0)], expected[mask & (age > 0)])
+    assert torch.equal(batch.loss_mask.bool(), mask & (age <= 1))  # age 2 dropped
+    assert batch.correction["tokens_dropped"] == int((mask & (age == 2)).sum()) > 0
+    assert batch.correction["staleness_max"] == 2
+    cfg.is_mode, cfg.is_cap = "mask", 1.0
+    pt.score_trainer(batch, policy, critic, cfg, version=5)
+    capped = mask & (torch.exp(batch.old_logprobs - batch.behav_logprobs) > 1.0) & (age > 0)
+    assert capped.any() and (batch.is_weight[capped] == 0).all()
+
+
+def test_decoupled_loss_with_fresh_tokens_is_standard_ppo_to_the_bit():
+    logp, old, adv = (torch.randn(3, 5) for _ in range(3))
+    mask = torch.ones(3, 5)
+    standard, _ = pt.policy_loss(logp, old, adv, mask, 0.2)
+    decoupled, _ = pt.policy_loss(logp, old, adv, mask, 0.2, is_weight=torch.ones(3, 5))
+    assert torch.equal(standard, decoupled)
+    half, _ = pt.policy_loss(logp, old, adv, mask, 0.2, is_weight=torch.full((3, 5), 0.5))
+    torch.testing.assert_close(half, standard / 2)
+
+
+def test_inflight_updates_tag_each_token_with_its_version(tokenizer):
+    policy, sampler = tiny_llama(len(tokenizer), seed=1), tiny_llama(len(tokenizer), seed=1)
+    sync = pt.WeightSync(policy, sampler)
+    steps = []
+
+    def between_steps():  # the trainer publishes version 1 after the sampler's second token
+        steps.append(len(steps))
+        if len(steps) == 2:
+            with torch.no_grad():
+                for p in policy.parameters():
+                    p.add_(0.5 * torch.randn_like(p))
+            sync.publish(1)
+        return sync.pull()
+
+    ids, mask = pt.left_pad(pt.format_prompts(tokenizer, ["1+2=", "37+45="], False, 64), tokenizer.pad_token_id, "cpu")
+    eos = 999  # never sampled: every row runs all 5 steps
+    batch = pt.generate(sampler, ids, mask, max_new_tokens=5, temperature=1.0, eos_id=eos, pad_id=tokenizer.pad_token_id,
+                        generator=torch.Generator().manual_seed(0), between_steps=between_steps)
+    assert batch.policy_version.tolist() == [[0, 0, 1, 1, 1]] * 2  # a mixed-version sequence
+    assert all(torch.equal(p, q) for p, q in zip(policy.parameters(), sampler.parameters()))
+    # the first two tokens' behaviour log-probs come from version 0: rescoring with version 0 reproduces them
+    old = tiny_llama(len(tokenizer), seed=1)
+    rescored, _ = pt.sequence_logprobs(old, *pt.full_sequence(batch), batch.response, batch.response_mask, 1.0)
+    torch.testing.assert_close(rescored[:, :2], batch.behav_logprobs[:, :2], rtol=0, atol=1e-9)
+    assert (rescored[:, 2:] - batch.behav_logprobs[:, 2:]).abs().max() > 1e-3
+
+
+def write_reward_module(path):
+    (path / "count_ones.py").write_text("def score(prompts, completions):\n"
+                                        "    return [c.count('1') / 4 for c in completions]\n")
+
+
+LOOP = ["--batch-size", "16", "--minibatches", "2", "--micro-batch-size", "8", "--steps", "4", "--response-length", "6",
+        "--demo-warmup-max-steps", "0", "--sample-every", "0", "--reward", "count_ones:score", "--lr", "3e-3"]
+
+
+def test_staleness_zero_with_the_thread_equals_the_synchronous_loop(tmp_path, monkeypatch):
+    write_reward_module(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    results = []
+    for threaded in (False, True):
+        cfg = pt.parse_config([*LOOP, "--output-dir", str(tmp_path / f"run{threaded}")])
+        run = pt.setup(cfg)
+        os.makedirs(cfg.output_dir)
+        history = pt.train(cfg, run, cfg.output_dir, threaded=threaded)
+        results.append((history, {k: v.clone() for k, v in run.policy.state_dict().items()}))
+    (plain, plain_weights), (thread, thread_weights) = results
+    for a, b in zip(plain, thread):
+        for key in ("pg_loss", "vf_loss", "reward_mean", "kl", "approx_kl", "clipfrac", "entropy"):
+            assert a[key] == b[key], (key, a[key], b[key])
+    assert all(torch.equal(plain_weights[k], thread_weights[k]) for k in plain_weights)
+    assert plain[-1]["approx_kl"] > 0 and plain[0]["reward_mean"] != plain[-1]["reward_mean"]  # it did train
+
+
+def test_staleness_one_keeps_every_token_within_bounds(tmp_path):
+    write_reward_module(tmp_path)
+    out = run_script([*LOOP, "--steps", "6", "--max-staleness", "1", "--inflight-updates", "--trace",
+                      str(tmp_path / "trace.json"), "--output-dir", str(tmp_path / "run")], tmp_path)
+    records = [r for r in read_metrics(tmp_path / "run") if r["step"] > 0]
+    assert all(r["staleness_max"] <= 1 for r in records) and max(r["staleness_max"] for r in records) == 1
+    assert records[0]["staleness_max"] == 0 and records[0]["is_weight_mean"] == 1.0
+    assert all(r["first_ratio_max_dev"] == 0.0 and r["weight_sync_ms"] >= 0 for r in records)
+    trace = json.load(open(tmp_path / "trace.json"))["traceEvents"]
+    assert {"generate", "update"} <= {e["name"] for e in trace} and {1, 2} <= {e["tid"] for e in trace}
+    assert "it    6/6" in out
+
+
+def test_sampler_errors_and_ctrl_c_stop_the_run_without_a_hung_thread(tmp_path, monkeypatch):
+    import signal
+    import threading
+    (tmp_path / "flaky.py").write_text("calls = 0\ndef score(prompts, completions):\n    global calls\n    calls += 1\n"
+                                       "    if calls == 3:\n        raise ValueError('reward service down')\n"
+                                       "    return [0.0] * len(completions)\n")
+    monkeypatch.chdir(tmp_path)
+    args = [a if a != "count_ones:score" else "flaky:score" for a in LOOP]
+    cfg = pt.parse_config([*args, "--max-staleness", "2", "--steps", "8", "--output-dir", str(tmp_path / "run")])
+    os.makedirs(cfg.output_dir)
+    with pytest.raises(SystemExit, match="reward service down"):
+        pt.train(cfg, pt.setup(cfg), cfg.output_dir)
+    assert not any(t.name == "ppo_tokens-sampler" for t in threading.enumerate())
+    write_reward_module(tmp_path)
+    proc = subprocess.Popen([sys.executable, SCRIPT, *LOOP, "--steps", "100000", "--max-staleness", "1",
+                             "--output-dir", str(tmp_path / "run2")], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    for line in proc.stdout:
+        if line.startswith("it    2/"):
+            break
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=60)  # exits promptly: the sampler thread does not keep the process alive
+    assert proc.returncode != 0
