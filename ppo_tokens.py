@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from kernels import linear_token_logprobs, token_logprobs
 
@@ -121,33 +120,28 @@ def check_config(cfg: Config):
     """Resolve the derived values and check every size once, with errors that name the flags to change."""
     if cfg.response_length == 0:
         cfg.response_length = 4 if is_demo(cfg) else 128
-    if cfg.max_staleness < 0:
-        raise ValueError(f"--max-staleness must be >= 0 (got {cfg.max_staleness}); 0 is synchronous PPO")
-    if cfg.is_mode not in ("truncate", "mask") or cfg.is_cap < 1:
-        raise ValueError(f"--is-mode must be truncate or mask and --is-cap >= 1 (got {cfg.is_mode!r}, {cfg.is_cap})")
-    if cfg.temperature <= 0:
-        raise ValueError(f"--temperature must be > 0 (got {cfg.temperature}); for near-greedy sampling use e.g. 0.05")
-    if cfg.kl_estimator not in ("k1", "k3"):
-        raise ValueError(f"--kl-estimator must be k1 or k3 (got {cfg.kl_estimator!r})")
-    if cfg.dtype not in ("float32", "bfloat16"):
-        raise ValueError(f"--dtype must be float32 or bfloat16 (got {cfg.dtype!r})")
-    if cfg.reward and cfg.reward_model:
-        raise ValueError("give either --reward or --reward-model, not both")
-    if not is_demo(cfg) and not (cfg.reward or cfg.reward_model):
-        raise ValueError("--model/--prompts need a reward: pass --reward module:function or --reward-model DIR")
-    if cfg.model and not cfg.prompts:
-        raise ValueError("--model needs --prompts FILE.jsonl (the demo prompts only fit the demo tokenizer)")
-    for name in ("steps", "batch_size", "response_length", "ppo_epochs", "minibatches", "eval_every"):
-        if getattr(cfg, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(cfg, name)})")
-    if cfg.batch_size % cfg.minibatches:
-        raise ValueError(f"--batch-size {cfg.batch_size} must be divisible by --minibatches {cfg.minibatches}")
-    minibatch_size = cfg.batch_size // cfg.minibatches
-    if cfg.micro_batch_size and minibatch_size % cfg.micro_batch_size:
-        raise ValueError(f"the minibatch size (--batch-size {cfg.batch_size} / --minibatches {cfg.minibatches} = "
-                         f"{minibatch_size}) must be divisible by --micro-batch-size {cfg.micro_batch_size}")
-    if not 0 < cfg.top_p <= 1 or cfg.top_k < 0:
-        raise ValueError("--top-p must be in (0, 1] and --top-k >= 0")
+    minibatch_size = cfg.batch_size // max(1, cfg.minibatches)
+    checks = [(cfg.max_staleness >= 0, f"--max-staleness must be >= 0 (got {cfg.max_staleness}); 0 is synchronous PPO"),
+              (cfg.is_mode in ("truncate", "mask") and cfg.is_cap >= 1,
+               f"--is-mode must be truncate or mask and --is-cap >= 1 (got {cfg.is_mode!r}, {cfg.is_cap})"),
+              (cfg.temperature > 0, f"--temperature must be > 0 (got {cfg.temperature}); for near-greedy use e.g. 0.05"),
+              (cfg.kl_estimator in ("k1", "k3"), f"--kl-estimator must be k1 or k3 (got {cfg.kl_estimator!r})"),
+              (cfg.dtype in ("float32", "bfloat16"), f"--dtype must be float32 or bfloat16 (got {cfg.dtype!r})"),
+              (not (cfg.reward and cfg.reward_model), "give either --reward or --reward-model, not both"),
+              (is_demo(cfg) or cfg.reward or cfg.reward_model,
+               "--model/--prompts need a reward: pass --reward module:function or --reward-model DIR"),
+              (not cfg.model or cfg.prompts, "--model needs --prompts FILE.jsonl (the demo prompts fit the demo only)"),
+              (0 < cfg.top_p <= 1 and cfg.top_k >= 0, "--top-p must be in (0, 1] and --top-k >= 0")]
+    checks += [(getattr(cfg, n) >= 1, f"--{n.replace('_', '-')} must be >= 1 (got {getattr(cfg, n)})")
+               for n in ("steps", "batch_size", "response_length", "ppo_epochs", "minibatches", "eval_every")]
+    checks += [(cfg.minibatches < 1 or cfg.batch_size % cfg.minibatches == 0,
+                f"--batch-size {cfg.batch_size} must be divisible by --minibatches {cfg.minibatches}"),
+               (not cfg.micro_batch_size or minibatch_size % cfg.micro_batch_size == 0,
+                f"the minibatch size (--batch-size {cfg.batch_size} / --minibatches {cfg.minibatches} = "
+                f"{minibatch_size}) must be divisible by --micro-batch-size {cfg.micro_batch_size}")]
+    for ok, message in checks:
+        if not ok:
+            raise ValueError(message)
 
 
 def is_demo(cfg: Config) -> bool:
@@ -415,7 +409,7 @@ def reward_model_scores(reward_model, rm_tokenizer, policy_tokenizer, batch, use
                      "content": c}], tokenize=False) for p, c in zip(batch.prompts, batch.completions)]
             seqs = rm_tokenizer(texts, add_special_tokens=False)["input_ids"]
         else:
-            eos = [rm_tokenizer.eos_token or "" if e else "" for e in batch.ended.tolist()]  # scored at the EOS, as above
+            eos = [(rm_tokenizer.eos_token or "") if e else "" for e in batch.ended.tolist()]  # scored at the EOS, as above
             seqs = rm_tokenizer([p + c + e for p, c, e in zip(batch.prompts, batch.completions, eos)])["input_ids"]
         ids, mask = left_pad(seqs, rm_tokenizer.pad_token_id or 0, batch.response.device)
     last = (mask * torch.arange(mask.shape[1], device=mask.device)).argmax(-1)  # (B,) last real column
@@ -427,7 +421,7 @@ def reward_model_scores(reward_model, rm_tokenizer, policy_tokenizer, batch, use
 
 
 def call_reward_function(fn, prompts, completions, device):
-    """A user's reward function, checked: one finite number per completion, or a clear error."""
+    """A user's reward function, checked: one number per completion, or a clear error."""
     try:
         scores = fn(prompts, completions)
     except Exception as e:
@@ -554,17 +548,14 @@ def masked_mean(x, mask, denom=None):  # mean of x over mask == 1 (or sum / deno
     return torch.where(mask.bool(), x, 0.0).sum() / (mask.sum() if denom is None else denom).clamp(min=1)
 
 
-def masked_whiten(x, mask, shift_mean=True):
+def masked_whiten(x, mask):
     """(x - mean) / std over the real tokens only: pads neither shift the statistics nor get a value (they stay 0).
     Unbiased variance, as TRL. The hook for cross-rank statistics is the two sums below."""
     mask = mask.bool()
     n = mask.sum()
     mean = torch.where(mask, x, 0.0).sum() / n
     var = torch.where(mask, (x - mean) ** 2, 0.0).sum() / (n - 1).clamp(min=1)
-    whitened = (x - mean) * torch.rsqrt(var + 1e-8)
-    if not shift_mean:
-        whitened = whitened + mean
-    return torch.where(mask, whitened, 0.0)
+    return torch.where(mask, (x - mean) * torch.rsqrt(var + 1e-8), 0.0)
 
 
 def kl_estimate(logprobs, ref_logprobs, estimator: str):
@@ -774,20 +765,18 @@ def answer_batch(tokenizer, prompt_ids, answers, device):
 @torch.no_grad()
 def evaluate(policy, tokenizer, prompt_ids, prompt_texts, cfg: Config, seed: int, chunk=500):
     """Sampled accuracy (temperature --temperature, the same sampling as training) on the given prompts; the
-    generator is re-seeded each time, so successive evaluations differ only by the weights. Returns (acc, samples)."""
+    generator is re-seeded each time, so successive evaluations differ only by the weights."""
     device = policy.device
     generator = torch.Generator(device).manual_seed(seed)
-    correct, samples = 0.0, []
+    correct = 0.0
     for start in range(0, len(prompt_ids), chunk):
         ids, mask = left_pad(prompt_ids[start:start + chunk], tokenizer.pad_token_id, device)
         batch = generate(policy, ids, mask, max_new_tokens=cfg.response_length, temperature=cfg.temperature,
                          eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, generator=generator,
                          top_k=cfg.top_k, top_p=cfg.top_p)
         texts, completions = prompt_texts[start:start + chunk], decode_completions(tokenizer, batch)
-        scores = [s * bool(e) for s, e in zip(addition_reward(texts, completions), batch.ended.tolist())]
-        correct += sum(scores)
-        samples += list(zip(texts, completions, scores))[:3 - len(samples)]
-    return correct / len(prompt_ids), samples
+        correct += sum(s * e for s, e in zip(addition_reward(texts, completions), batch.ended.tolist()))
+    return correct / len(prompt_ids)
 
 
 def demo_warmup(policy, tokenizer, train_pairs, cfg: Config):
@@ -824,7 +813,7 @@ def demo_warmup(policy, tokenizer, train_pairs, cfg: Config):
         optimizer.zero_grad(set_to_none=True)
         if step % 5 == 0:  # often: the accuracy jumps within a few steps and PPO must start below ~40%
             check = check_rng.sample(range(len(train_pairs)), 256)
-            accuracy, _ = evaluate(policy, tokenizer, [all_ids[i] for i in check],
+            accuracy = evaluate(policy, tokenizer, [all_ids[i] for i in check],
                                    [addition_prompt(*train_pairs[i]) for i in check], cfg, seed=step)
             print(f"\rwarm-up step {step}: loss {loss.item():.3f}, sampled train accuracy {accuracy:.2f}", end="", flush=True)
             if accuracy >= cfg.demo_warmup_target:
@@ -848,13 +837,13 @@ def demo_warmup(policy, tokenizer, train_pairs, cfg: Config):
 # overlap on the device, without either side having to yield at hand-picked points.
 
 
-def flatten_parameters(model, dtype=None):
-    """Make every parameter of `model` a view into one flat buffer (of `dtype`), so a weight sync is one copy of one
-    tensor instead of one call per tensor. Returns the buffer."""
+def flatten_parameters(model):
+    """Make every parameter of `model` a view into one flat buffer, so a weight sync is one copy of one tensor
+    instead of one call per tensor. Returns the buffer."""
     params = list(model.parameters())  # each tied weight once
     if len({p.dtype for p in params}) != 1:
-        raise SystemExit("the packed weight sync needs all parameters in one dtype; use --dtype float32 or bfloat16")
-    flat = torch.empty(sum(p.numel() for p in params), dtype=dtype or params[0].dtype, device=params[0].device)
+        raise SystemExit(f"the packed weight sync needs one parameter dtype, got {sorted({str(p.dtype) for p in params})}")
+    flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
     offset = 0
     for p in params:
         flat[offset:offset + p.numel()].copy_(p.detach().reshape(-1))
@@ -895,7 +884,10 @@ class WeightSync:
             self.lock.notify_all()
 
     def sync_ms(self) -> float:  # the last publish's copy time (device time on CUDA)
-        return self.start.elapsed_time(self.published) if self.cuda else 1e3 * self.publish_s
+        if self.cuda:
+            self.published.synchronize()  # a ~1 ms copy: done by the time the iteration is logged
+            return self.start.elapsed_time(self.published)
+        return 1e3 * self.publish_s
 
     def pull(self) -> int:  # sampler thread, between batches (or decode steps): take the newest version
         with self.lock:
@@ -976,31 +968,31 @@ class Producer:
             torch.set_num_threads(1)  # (intra-op threads are per calling thread)
         try:
             for i in range(n):
-                item = self._produce(i)
+                batch = self._produce(i)
                 with self.tracer.span("wait for queue space", "sampler"):
-                    while not self.stop.is_set():
-                        try:
-                            self.queue.put(item, timeout=0.05)
-                            break
-                        except queue.Full:
-                            pass
-                if self.stop.is_set():
-                    return
+                    self._put(batch)
         except BaseException as e:  # SystemExit from a reward check too: hand it to the trainer
-            self.queue.put(e)
+            self._put(e)
+
+    def _put(self, item):
+        while not self.stop.is_set():
+            try:
+                return self.queue.put(item, timeout=0.05)
+            except queue.Full:
+                pass
 
     def get(self) -> Rollout:
         if self.thread is None:
-            batch, self.next_index = self._produce(self.next_index), self.next_index + 1
-            return batch
-        with self.tracer.span("wait for a batch", "trainer"):
-            while True:
-                try:
-                    item = self.queue.get(timeout=0.05)
-                    break
-                except queue.Empty:
-                    if not self.thread.is_alive():
-                        raise RuntimeError("the sampler thread stopped without a batch")
+            item, self.next_index = self._produce(self.next_index), self.next_index + 1
+        else:
+            with self.tracer.span("wait for a batch", "trainer"):
+                while True:
+                    try:
+                        item = self.queue.get(timeout=0.05)
+                        break
+                    except queue.Empty:
+                        if not self.thread.is_alive():
+                            raise RuntimeError("the sampler thread stopped without a batch")
         if isinstance(item, BaseException):
             raise item
         if self.stream is not None:  # memory made on the sampler's stream, now also used on the trainer's
@@ -1079,17 +1071,12 @@ def format_line(r: dict, steps: int) -> str:
 # main
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit(f"--device {name}: CUDA is not available here; use --device cpu")
-    return torch.device(name)
-
-
 def setup(cfg: Config):
     """Tokenizer, policy (warmed up for the demo), frozen reference, critic, reward function and prompts."""
-    device, dtype = resolve_device(cfg.device), getattr(torch, cfg.dtype)
+    if cfg.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(f"--device {cfg.device}: CUDA is not available here; use --device cpu")
+    device = torch.device(cfg.device if cfg.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, cfg.dtype)
     torch.manual_seed(cfg.seed)
     if cfg.model:
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -1178,7 +1165,7 @@ def train(cfg: Config, run, output_dir: str, threaded=None):
     start, history, first_accuracy = time.time(), [], None
     try:
         if run.eval_ids is not None:
-            first_accuracy, _ = evaluate(policy, tokenizer, run.eval_ids, run.eval_texts, cfg, eval_seed)
+            first_accuracy = evaluate(policy, tokenizer, run.eval_ids, run.eval_texts, cfg, eval_seed)
             logger.log({"step": 0, "eval_accuracy": first_accuracy, "time_s": 0.0})
             print(f"held-out sampled accuracy before PPO: {first_accuracy:.3f}")
         tracer.take()
@@ -1200,7 +1187,7 @@ def train(cfg: Config, run, output_dir: str, threaded=None):
             record = iteration_record(step, batch, kl, stats, cfg, time.time() - t0, batch.gen_s, update_s,
                                       tracer.take(), sync.sync_ms(), lr)
             if run.eval_ids is not None and (step % cfg.eval_every == 0 or step == cfg.steps):
-                record["eval_accuracy"], _ = evaluate(policy, tokenizer, run.eval_ids, run.eval_texts, cfg, eval_seed)
+                record["eval_accuracy"] = evaluate(policy, tokenizer, run.eval_ids, run.eval_texts, cfg, eval_seed)
             record["time_s"] = time.time() - start
             logger.log(record)
             history.append(record)
