@@ -131,7 +131,9 @@ def check_config(cfg: Config):
               (is_demo(cfg) or cfg.reward or cfg.reward_model,
                "--model/--prompts need a reward: pass --reward module:function or --reward-model DIR"),
               (not cfg.model or cfg.prompts, "--model needs --prompts FILE.jsonl (the demo prompts fit the demo only)"),
-              (0 < cfg.top_p <= 1 and cfg.top_k >= 0, "--top-p must be in (0, 1] and --top-k >= 0")]
+              (0 < cfg.top_p <= 1 and cfg.top_k >= 0, "--top-p must be in (0, 1] and --top-k >= 0"),
+              (not cfg.device.startswith("cuda") or torch.cuda.is_available(),
+               f"--device {cfg.device}: CUDA is not available here; use --device cpu")]
     checks += [(getattr(cfg, n) >= 1, f"--{n.replace('_', '-')} must be >= 1 (got {getattr(cfg, n)})")
                for n in ("steps", "batch_size", "response_length", "ppo_epochs", "minibatches", "eval_every")]
     checks += [(cfg.minibatches < 1 or cfg.batch_size % cfg.minibatches == 0,
@@ -1073,8 +1075,6 @@ def format_line(r: dict, steps: int) -> str:
 
 def setup(cfg: Config):
     """Tokenizer, policy (warmed up for the demo), frozen reference, critic, reward function and prompts."""
-    if cfg.device.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit(f"--device {cfg.device}: CUDA is not available here; use --device cpu")
     device = torch.device(cfg.device if cfg.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, cfg.dtype)
     torch.manual_seed(cfg.seed)

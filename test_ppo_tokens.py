@@ -729,6 +729,8 @@ def test_config_errors_name_the_flags(capsys):
              (["--max-staleness", "-1"], "--max-staleness must be >= 0"),
              (["--is-mode", "clip"], "--is-mode must be truncate or mask"),
              (["--kl-estimator", "k2"], "--kl-estimator must be k1 or k3")]
+    if not torch.cuda.is_available():
+        cases.append((["--device", "cuda"], "--device cuda: CUDA is not available here; use --device cpu"))
     for argv, message in cases:
         with pytest.raises(SystemExit) as e:
             pt.parse_config(argv)
