@@ -77,7 +77,7 @@ class Config:
     max_staleness: int = arg(0, "policy versions a rollout batch may lag the trainer: 0 = synchronous PPO, 1 = one-step off-policy")
     inflight_updates: bool = arg(False, "the sampler takes new weights between decode steps (mixed-version sequences, PipelineRL)")
     is_cap: float = arg(2.0, "cap on the decoupled-PPO importance weight exp(prox_logp - behav_logp) of stale tokens")
-    is_mode: str = arg("truncate", "capped weights: 'truncate' (set to --is-cap) or 'mask' (token dropped from the loss)")
+    is_mode: str = arg("truncate", "capped weights: 'truncate' (set to --is-cap) or 'mask' (set to 0: no policy gradient)")
     max_token_age: int = arg(-1, "drop tokens sampled more than this many versions ago from the loss (-1 = keep all)")
     trace: str = arg("", "write a Chrome trace (chrome://tracing, ui.perfetto.dev) of sampler and trainer to this file")
     bench_overlap: bool = arg(False, "benchmark: run --steps iterations at --max-staleness 0, 1 and 2, print a table")
@@ -200,16 +200,12 @@ def ensure_pad_token(tokenizer, model):
 def disable_dropout(model: nn.Module):
     """Dropout makes the scoring pass and the training pass see different networks, so the PPO ratio is not 1 on the
     first minibatch (N+ detail). Zero every dropout module and every *dropout* probability in the config."""
-    for m in model.modules():
+    for m in [*model.modules(), getattr(model, "config", None)]:  # HF attention layers read float attributes
+        for key, value in (vars(m).items() if m is not None else ()):
+            if "dropout" in key and isinstance(value, float):
+                setattr(m, key, 0.0)
         if isinstance(m, nn.Dropout):
             m.p = 0.0
-        for name in ("attention_dropout", "dropout", "attn_dropout"):  # HF attention layers read a float attribute
-            if isinstance(getattr(m, name, None), float):
-                setattr(m, name, 0.0)
-    config = getattr(model, "config", None)
-    for key, value in (vars(config).items() if config is not None else ()):
-        if "dropout" in key and isinstance(value, float):
-            setattr(config, key, 0.0)
 
 
 def backbone_of(model):  # LlamaForCausalLM.model, Qwen2ForSequenceClassification.model, GPT2*.transformer, ...
@@ -379,19 +375,11 @@ def left_pad(seqs, pad_id: int, device):
     return ids.to(device), mask.to(device)
 
 
-class PromptStream:
-    """Endless epochs over the prompt set, each in a fresh random order from its own generator."""
-
-    def __init__(self, n: int, seed: int):
-        self.n, self.generator, self.order = n, torch.Generator().manual_seed(seed), []
-
-    def next_indices(self, batch_size: int):
-        out = []
-        while len(out) < batch_size:
-            if not self.order:
-                self.order = torch.randperm(self.n, generator=self.generator).tolist()
-            out.append(self.order.pop())
-        return out
+def prompt_order(n: int, seed: int):
+    """Endless epochs over n prompts (their indices), each epoch in a fresh random order from its own generator."""
+    generator = torch.Generator().manual_seed(seed)
+    while True:
+        yield from reversed(torch.randperm(n, generator=generator).tolist())
 
 
 def positions(mask):  # (B, L) -> (B, L): position ids that count real tokens only, right under left padding
@@ -639,7 +627,8 @@ def score_trainer(batch: Rollout, policy, critic, cfg: Config, row_order=None, v
     an older policy sampled, the decoupled-PPO importance weights (Hilton et al. 2022; AReaL):
         w_t = exp(prox_logp_t - behav_logp_t), capped at --is-cap (truncated or masked); exactly 1 for fresh tokens.
     version: the trainer's policy version (None = every token is fresh: plain PPO). Returns the per-token KL."""
-    batch.old_logprobs, batch.values = torch.zeros_like(batch.behav_logprobs), torch.zeros_like(batch.behav_logprobs)
+    batch.old_logprobs = torch.zeros_like(batch.behav_logprobs)
+    batch.values = torch.zeros_like(batch.behav_logprobs, dtype=torch.float32)  # the critic's output is fp32
     for rows, mb in micro_batches(batch, cfg, row_order):
         batch.old_logprobs[rows] = sequence_logprobs(policy, *full_sequence(mb), mb.response, mb.response_mask,
                                                      cfg.temperature, mb.kept_ids, cfg.full_logits)[0]
@@ -650,7 +639,10 @@ def score_trainer(batch: Rollout, policy, critic, cfg: Config, row_order=None, v
     advantages, batch.returns = gae(batch.rewards, batch.values, batch.response_mask, cfg.gamma, cfg.lam)
     batch.advantages = masked_whiten(advantages, batch.response_mask)
     age = torch.zeros_like(batch.policy_version) if version is None else version - batch.policy_version  # (B, T)
-    weight = torch.where(age == 0, 1.0, torch.exp(batch.old_logprobs - batch.behav_logprobs))
+    # fresh = the whole row, prompt pass included, ran on the trainer's weights (versions only grow along a row: an
+    # in-flight update leaves the older weights' KV cache behind the newer tokens, so those are not fresh)
+    fresh = (age[:, :1] == 0).expand_as(age)
+    weight = torch.where(fresh, 1.0, torch.exp(batch.old_logprobs - batch.behav_logprobs))
     capped = mask & (weight > cfg.is_cap)
     batch.is_weight = torch.where(capped, cfg.is_cap if cfg.is_mode == "truncate" else 0.0, weight)
     batch.loss_mask = (mask & ((age <= cfg.max_token_age) if cfg.max_token_age >= 0 else True)).long()
@@ -659,6 +651,8 @@ def score_trainer(batch: Rollout, policy, critic, cfg: Config, row_order=None, v
                         "is_weight_mean": float(masked_mean(batch.is_weight, mask)),
                         "is_weight_max": float(torch.where(mask, weight, 0.0).max()),
                         "is_capped_frac": float(masked_mean(capped.float(), mask)),
+                        "behav_prox_max_diff": float(torch.where(mask, batch.old_logprobs - batch.behav_logprobs,
+                                                                 0.0).abs().max()),  # sampler/trainer mismatch
                         "tokens_dropped": int((mask & ~batch.loss_mask.bool()).sum())}
     return kl
 
@@ -839,6 +833,13 @@ def demo_warmup(policy, tokenizer, train_pairs, cfg: Config):
 # overlap on the device, without either side having to yield at hand-picked points.
 
 
+def cast_parameters(model, dtype):
+    """model with its parameters in dtype; buffers (RoPE frequencies, ...) keep their fp32 precision."""
+    for p in model.parameters():
+        p.data = p.data.to(dtype)
+    return model
+
+
 def flatten_parameters(model):
     """Make every parameter of `model` a view into one flat buffer, so a weight sync is one copy of one tensor
     instead of one call per tensor. Returns the buffer."""
@@ -867,10 +868,10 @@ class WeightSync:
         self.sampler_flat = flatten_parameters(sampler)
         self.staging = self.sampler_flat.clone()
         self.cuda = self.sampler_flat.is_cuda
-        self.published, self.pulled = (torch.cuda.Event(enable_timing=True) if self.cuda else None for _ in range(2))
-        self.start = torch.cuda.Event(enable_timing=True) if self.cuda else None
+        events = [torch.cuda.Event(enable_timing=True) if self.cuda else None for _ in range(4)]
+        self.start, self.published, self.pull_start, self.pulled = events  # the two copies' ends, for order and ms
         self.lock = threading.Condition()
-        self.version, self.sampler_version, self.publish_s = 0, 0, 0.0
+        self.version, self.sampler_version, self.publish_s, self.pull_s, self.pulled_once = 0, 0, 0.0, 0.0, False
 
     def publish(self, version: int):  # trainer thread, after the optimizer steps of an update
         with self.lock:
@@ -885,20 +886,25 @@ class WeightSync:
             self.version = version
             self.lock.notify_all()
 
-    def sync_ms(self) -> float:  # the last publish's copy time (device time on CUDA)
+    def sync_ms(self) -> float:  # the last publish's + the last pull's copy time (device time on CUDA)
         if self.cuda:
-            self.published.synchronize()  # a ~1 ms copy: done by the time the iteration is logged
-            return self.start.elapsed_time(self.published)
-        return 1e3 * self.publish_s
+            self.published.synchronize()  # a ~1 ms copy
+            self.publish_s = self.start.elapsed_time(self.published) / 1e3
+            if self.pulled_once and self.pulled.query():
+                self.pull_s = self.pull_start.elapsed_time(self.pulled) / 1e3
+        return 1e3 * (self.publish_s + self.pull_s)
 
     def pull(self) -> int:  # sampler thread, between batches (or decode steps): take the newest version
         with self.lock:
             if self.version != self.sampler_version:
+                t0 = time.perf_counter()
                 if self.cuda:
                     torch.cuda.current_stream().wait_event(self.published)
+                    self.pull_start.record()
                 self.sampler_flat.copy_(self.staging)
                 if self.cuda:
                     self.pulled.record()
+                self.pull_s, self.pulled_once = time.perf_counter() - t0, True  # (CUDA: replaced by device time)
                 self.sampler_version = self.version
             return self.sampler_version
 
@@ -909,21 +915,19 @@ class WeightSync:
 
 
 class Tracer:
-    """Busy spans of both sides: summed per iteration for the log, and with --trace written as a Chrome trace."""
+    """Busy and waiting spans of both sides: summed per iteration for the log, and with --trace a Chrome trace."""
 
     def __init__(self, path: str):
-        self.path, self.events, self.totals, self.t0 = path, [], {}, time.perf_counter()
-        self.lock = threading.Lock()
+        self.path, self.events, self.totals, self.t0, self.lock = path, [], {}, time.perf_counter(), threading.Lock()
 
     @contextlib.contextmanager
-    def span(self, name: str, side: str):
+    def span(self, name: str, side: str):  # side: "trainer" or "sampler"; names "wait..." count as waiting
         start = time.perf_counter()
         try:
             yield
         finally:
-            end = time.perf_counter()
+            end, key = time.perf_counter(), f"{side}_{'wait' if name.startswith('wait') else 'busy'}_s"
             with self.lock:
-                key = f"{side}_{'wait' if name.startswith('wait') else 'busy'}_s"
                 self.totals[key] = self.totals.get(key, 0.0) + end - start
                 if self.path:
                     self.events.append({"name": name, "ph": "X", "pid": 0, "tid": 1 if side == "trainer" else 2,
@@ -935,9 +939,9 @@ class Tracer:
         return totals
 
     def write(self):
+        names = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": t, "args": {"name": n}}
+                 for t, n in ((1, "trainer"), (2, "sampler"))]
         if self.path:
-            names = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": t, "args": {"name": n}}
-                     for t, n in ((1, "trainer"), (2, "sampler"))]
             write_json({"traceEvents": names + self.events, "displayTimeUnit": "ms"}, self.path)
 
 
@@ -949,7 +953,9 @@ class Producer:
     def __init__(self, make_batch, sync: WeightSync, tracer: Tracer, max_staleness: int, n: int, threaded: bool):
         self.make_batch, self.sync, self.tracer, self.max_staleness = make_batch, sync, tracer, max_staleness
         self.queue, self.stop, self.next_index = queue.Queue(maxsize=max(1, max_staleness)), threading.Event(), 0
-        self.stream = torch.cuda.Stream() if sync.cuda else None  # the sampler's own CUDA stream
+        self.stream = torch.cuda.Stream() if sync.cuda else None  # the sampler's own CUDA stream, which must
+        if self.stream is not None:  # see the sampler's weights that the default stream copied in
+            self.stream.wait_stream(torch.cuda.current_stream())
         self.thread = threading.Thread(target=self._run, args=(n,), daemon=True, name="ppo_tokens-sampler") if threaded else None
         if self.thread is not None:
             self.thread.start()
@@ -960,10 +966,7 @@ class Producer:
         if self.stop.is_set():
             return None
         with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
-            batch = self.make_batch(i)
-            if self.stream is not None:
-                self.stream.synchronize()  # the batch is complete before the trainer's stream reads it
-        return batch
+            return self.make_batch(i, self.stop)
 
     def _run(self, n: int):
         if self.stream is None:  # CPU: the Python-bound decode needs one core; the trainer keeps the others
@@ -993,7 +996,7 @@ class Producer:
                         item = self.queue.get(timeout=0.05)
                         break
                     except queue.Empty:
-                        if not self.thread.is_alive():
+                        if not self.thread.is_alive() and self.queue.empty():  # (it may have put one just now)
                             raise RuntimeError("the sampler thread stopped without a batch")
         if isinstance(item, BaseException):
             raise item
@@ -1004,9 +1007,11 @@ class Producer:
         return item
 
     def close(self):
-        self.stop.set()
+        self.stop.set()  # make_batch checks it between decode steps
         if self.thread is not None:
             self.thread.join(timeout=30)
+            if self.thread.is_alive():
+                print("warning: the sampler thread did not stop within 30 s")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1100,7 +1105,7 @@ def setup(cfg: Config):
         run["eval_ids"] = format_prompts(tokenizer, run["eval_texts"], cfg.chat_template, cfg.max_prompt_length)
         demo_warmup(policy, tokenizer, train_pairs, cfg)
     run["prompt_ids"] = format_prompts(tokenizer, run["prompt_texts"], cfg.chat_template, cfg.max_prompt_length)
-    run["reference"] = copy.deepcopy(policy).to(dtype).requires_grad_(False)
+    run["reference"] = cast_parameters(copy.deepcopy(policy), dtype).requires_grad_(False)
     reward_model, same_tokenizer = None, False
     if cfg.reward_model:
         if not os.path.isdir(cfg.reward_model):
@@ -1135,42 +1140,49 @@ def train(cfg: Config, run, output_dir: str, threaded=None):
     synchronous PPO; the thread at staleness 0 gives the same result to the bit, only later)."""
     policy, critic, tokenizer, device = run.policy, run.critic, run.tokenizer, run.policy.device
     sampler_dtype = torch.bfloat16 if device.type == "cuda" else policy.dtype  # inference copy: bf16 on GPU
-    sampler = copy.deepcopy(policy).to(sampler_dtype).requires_grad_(False)
+    sampler = cast_parameters(copy.deepcopy(policy), sampler_dtype).requires_grad_(False)
     sync = WeightSync(policy, sampler)  # after this, policy's parameters live in one flat buffer
     policy_opt, critic_opt, schedules = make_optimizers(cfg, policy, critic)
     write_json(dataclasses.asdict(cfg), os.path.join(output_dir, "config.json"))  # the config actually used
     logger, tracer = Logger(cfg, output_dir), Tracer(cfg.trace)
-    stream = PromptStream(len(run.prompt_ids), cfg.seed)
+    order = prompt_order(len(run.prompt_ids), cfg.seed)
     sample_generator = torch.Generator(device).manual_seed(cfg.seed)
     shuffle_generator = torch.Generator().manual_seed(cfg.seed + 1)
     eval_seed = cfg.seed + 2
 
-    def make_batch(i):  # the producer: sample batch i, score it with the frozen models
+    def make_batch(i, stop):  # the producer: sample batch i, score it with the frozen models
+        def between_steps():  # between decode steps: stop promptly on shutdown; take new weights if in-flight
+            if stop.is_set():
+                raise InterruptedError("the run is stopping")
+            return sync.pull() if cfg.inflight_updates else version
+
         with tracer.span("generate", "sampler"):
             t0, version = time.perf_counter(), sync.pull()
-            rows = stream.next_indices(cfg.batch_size)
+            rows = [next(order) for _ in range(cfg.batch_size)]
             ids, mask = left_pad([run.prompt_ids[r] for r in rows], tokenizer.pad_token_id, device)
             batch = generate(sampler, ids, mask, max_new_tokens=cfg.response_length, temperature=cfg.temperature,
                              eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, generator=sample_generator,
                              top_k=cfg.top_k, top_p=cfg.top_p, policy_version=version,
-                             between_steps=sync.pull if cfg.inflight_updates else None)
+                             between_steps=between_steps)
             batch.prompts, batch.completions = [run.prompt_texts[r] for r in rows], decode_completions(tokenizer, batch)
             batch.gen_s = time.perf_counter() - t0
         with tracer.span("score: reference, reward", "sampler"):
             score_frozen(batch, run.reference, run.reward_fn, cfg)
+            if device.type == "cuda":
+                torch.cuda.current_stream().synchronize()  # the batch is complete before the trainer's stream reads it
         return batch
 
     threaded = (cfg.max_staleness > 0 or cfg.inflight_updates) if threaded is None else threaded
-    producer = Producer(make_batch, sync, tracer, cfg.max_staleness, cfg.steps, threaded)
-    start, history, first_accuracy = time.time(), [], None
+    history, first_accuracy, producer = [], None, None
     try:
         if run.eval_ids is not None:
             first_accuracy = evaluate(policy, tokenizer, run.eval_ids, run.eval_texts, cfg, eval_seed)
             logger.log({"step": 0, "eval_accuracy": first_accuracy, "time_s": 0.0})
             print(f"held-out sampled accuracy before PPO: {first_accuracy:.3f}")
+        producer = Producer(make_batch, sync, tracer, cfg.max_staleness, cfg.steps, threaded)
+        start = window = time.time()  # an iteration's window: from the end of the last one to the end of this one
         tracer.take()
         for step in range(1, cfg.steps + 1):
-            t0 = time.time()
             batch = producer.get()
             with tracer.span("score: old log-probs, values", "trainer"):
                 row_orders = [torch.randperm(cfg.batch_size, generator=shuffle_generator) for _ in range(cfg.ppo_epochs)]
@@ -1184,11 +1196,18 @@ def train(cfg: Config, run, output_dir: str, threaded=None):
                 update_s = time.time() - t_update
             with tracer.span("publish weights", "trainer"):
                 sync.publish(step)
-            record = iteration_record(step, batch, kl, stats, cfg, time.time() - t0, batch.gen_s, update_s,
-                                      tracer.take(), sync.sync_ms(), lr)
+                sync_ms = sync.sync_ms()
+            accuracy = None
             if run.eval_ids is not None and (step % cfg.eval_every == 0 or step == cfg.steps):
-                record["eval_accuracy"] = evaluate(policy, tokenizer, run.eval_ids, run.eval_texts, cfg, eval_seed)
-            record["time_s"] = time.time() - start
+                with tracer.span("evaluate", "trainer"):
+                    accuracy = evaluate(policy, tokenizer, run.eval_ids, run.eval_texts, cfg, eval_seed)
+            now = time.time()
+            record = iteration_record(step, batch, kl, stats, cfg, now - window, batch.gen_s, update_s,
+                                      tracer.take(), sync_ms, lr)
+            window = now
+            if accuracy is not None:
+                record["eval_accuracy"] = accuracy
+            record["time_s"] = now - start
             logger.log(record)
             history.append(record)
             print(format_line(record, cfg.steps), flush=True)
@@ -1196,11 +1215,12 @@ def train(cfg: Config, run, output_dir: str, threaded=None):
                 for p, c, s in zip(batch.prompts[:3], batch.completions[:3], batch.scores[:3].tolist()):
                     print(f"    {p!r} -> {c!r}  (score {s:.2f})")
     finally:
-        producer.close()
+        if producer is not None:
+            producer.close()
         tracer.write()
         logger.close()
     save_policy(policy, tokenizer, os.path.join(output_dir, "policy"))
-    summarize(history, first_accuracy, cfg, output_dir, time.time() - start)
+    summarize(history, first_accuracy, cfg, output_dir, history[-1]["time_s"])
     return history
 
 
@@ -1240,9 +1260,11 @@ def bench_overlap(cfg: Config, output_dir: str):
     results = {}
     for staleness in (0, 1, 2):
         c = dataclasses.replace(cfg, max_staleness=staleness, output_dir=os.path.join(output_dir, f"staleness{staleness}"),
-                                bench_overlap=False, eval_every=10 ** 9, sample_every=0)
+                                bench_overlap=False, sample_every=0)
         os.makedirs(c.output_dir, exist_ok=True)
-        results[staleness] = train(c, setup(c), c.output_dir)
+        run = setup(c)
+        run.eval_ids = None  # no evaluations inside the timed runs
+        results[staleness] = train(c, run, c.output_dir)
     common = min(h[-1]["time_s"] for h in results.values())  # the wall time every run reached
     base = sum(r["response_tokens"] for r in results[0]) / results[0][-1]["time_s"]
     print(f"\n{'staleness':>9} | {'tokens/s':>9} | {'vs 0':>5} | {'trainer idle':>12} | {'sync ms':>7} | reward at {common:.0f} s")
