@@ -265,11 +265,9 @@ def cache_kwargs(model, cache):
 def fused_head(model):
     """(backbone, lm_head weight) when logits are exactly hidden @ W.T, so kernels.linear_token_logprobs can compute
     token log-probs without holding the [tokens, vocab] logits; None for models that post-process their logits."""
-    head = getattr(model, "lm_head", None)
-    config = getattr(model, "config", None)
-    if not isinstance(head, nn.Linear) or head.bias is not None or config is None:
-        return None
-    if any(getattr(config, k, None) not in (None, 1.0) for k in ("final_logit_softcapping", "logit_scale", "logits_scaling")):
+    head, config = getattr(model, "lm_head", None), getattr(model, "config", None)
+    post = ("final_logit_softcapping", "logit_scale", "logits_scaling")  # Gemma 2, Cohere, Granite rescale logits
+    if not isinstance(head, nn.Linear) or head.bias is not None or any(getattr(config, k, None) not in (None, 1.0) for k in post):
         return None
     return backbone_of(model), head.weight
 
@@ -454,11 +452,8 @@ class Rollout:
     correction: dict = None  # staleness / importance-weight statistics of this batch, for the log
 
     def rows(self, index):  # the sub-batch of rows `index` (a LongTensor); tensor fields only
-        fields = {}
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            fields[f.name] = value[index] if isinstance(value, torch.Tensor) else None
-        return Rollout(**fields)
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return Rollout(**{k: v[index] if isinstance(v, torch.Tensor) else None for k, v in values.items()})
 
 
 def truncate_logits(scaled_logits, top_k: int, top_p: float):
@@ -487,11 +482,11 @@ def generate(sampler, prompt_ids, prompt_mask, *, max_new_tokens, temperature, e
     KV cache keeps the old weights' keys and values, as in PipelineRL; every token is tagged with its version)."""
     from transformers import DynamicCache
     B = prompt_ids.shape[0]
-    cache = DynamicCache()
+    cache_args = cache_kwargs(sampler, DynamicCache())  # the same cache object, filled step by step
     attention_mask = prompt_mask
     position_ids = positions(prompt_mask)  # (B, P)
     logits = sampler(input_ids=prompt_ids, attention_mask=attention_mask, position_ids=position_ids,
-                     **cache_kwargs(sampler, cache)).logits[:, -1]  # (B, V)
+                     **cache_args).logits[:, -1]  # (B, V)
     next_position = position_ids[:, -1:] + 1  # (B, 1)
     done = torch.zeros(B, dtype=torch.bool, device=prompt_ids.device)
     tokens, masks, logprobs, kept, versions = [], [], [], [], []
@@ -515,7 +510,7 @@ def generate(sampler, prompt_ids, prompt_mask, *, max_new_tokens, temperature, e
         if between_steps is not None:
             policy_version = between_steps()
         logits = sampler(input_ids=tokens[-1][:, None], attention_mask=attention_mask, position_ids=next_position,
-                         **cache_kwargs(sampler, cache)).logits[:, -1]
+                         **cache_args).logits[:, -1]
         next_position = next_position + 1
     response = torch.stack(tokens, 1)  # (B, T)
     return Rollout(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response=response,
@@ -586,6 +581,11 @@ def gae(rewards, values, response_mask, gamma: float, lam: float):
     return advantages, torch.where(mask, advantages + values, 0.0)
 
 
+def rollout_logprobs(model, batch: Rollout, cfg: Config):  # sequence_logprobs of a batch's responses, (B, T) x2
+    return sequence_logprobs(model, *full_sequence(batch), batch.response, batch.response_mask, cfg.temperature,
+                             batch.kept_ids, cfg.full_logits)
+
+
 def full_sequence(batch: Rollout):  # prompt + response as one left-padded sequence, its mask and position ids
     input_ids = torch.cat([batch.prompt_ids, batch.response], 1)  # (B, P+T)
     attention_mask = torch.cat([batch.prompt_mask, batch.response_mask], 1)  # (B, P+T)
@@ -612,8 +612,7 @@ def score_frozen(batch: Rollout, reference, reward_fn, cfg: Config):
     overlapped loop they run in the producer thread (on the sampler's CUDA stream), hidden behind the update."""
     batch.ref_logprobs = torch.zeros_like(batch.behav_logprobs)
     for rows, mb in micro_batches(batch, cfg):
-        batch.ref_logprobs[rows] = sequence_logprobs(reference, *full_sequence(mb), mb.response, mb.response_mask,
-                                                     cfg.temperature, mb.kept_ids, cfg.full_logits)[0]
+        batch.ref_logprobs[rows] = rollout_logprobs(reference, mb, cfg)[0]
     scores = reward_fn(batch)  # (B,)
     scores = scores - cfg.missing_eos_penalty * (~batch.ended).float()  # N+ detail: penalise runs cut off without EOS
     batch.scores = masked_whiten(scores, torch.ones_like(scores)) if cfg.whiten_scores else scores
@@ -630,8 +629,7 @@ def score_trainer(batch: Rollout, policy, critic, cfg: Config, row_order=None, v
     batch.old_logprobs = torch.zeros_like(batch.behav_logprobs)
     batch.values = torch.zeros_like(batch.behav_logprobs, dtype=torch.float32)  # the critic's output is fp32
     for rows, mb in micro_batches(batch, cfg, row_order):
-        batch.old_logprobs[rows] = sequence_logprobs(policy, *full_sequence(mb), mb.response, mb.response_mask,
-                                                     cfg.temperature, mb.kept_ids, cfg.full_logits)[0]
+        batch.old_logprobs[rows] = rollout_logprobs(policy, mb, cfg)[0]
         batch.values[rows] = critic_values(critic, mb)
     mask = batch.response_mask.bool()
     kl = torch.where(mask, kl_estimate(batch.old_logprobs, batch.ref_logprobs, cfg.kl_estimator), 0.0)  # (B, T)
@@ -718,9 +716,7 @@ def ppo_update(policy, critic, policy_opt, critic_opt, batch: Rollout, cfg: Conf
             mb_tokens = batch.loss_mask[mb_rows].sum()
             for rows in mb_rows.split(micro):
                 mb = batch.rows(rows)
-                seq = full_sequence(mb)
-                logprobs, entropy = sequence_logprobs(policy, *seq, mb.response, mb.response_mask, cfg.temperature,
-                                                      mb.kept_ids, cfg.full_logits)
+                logprobs, entropy = rollout_logprobs(policy, mb, cfg)
                 pg_loss, pg_stats = policy_loss(logprobs, mb.old_logprobs, mb.advantages, mb.loss_mask,
                                                 cfg.clip_range, mb_tokens, mb.is_weight)
                 entropy_mean = masked_mean(entropy, mb.loss_mask, mb_tokens)
@@ -778,7 +774,7 @@ def evaluate(policy, tokenizer, prompt_ids, prompt_texts, cfg: Config, seed: int
 def demo_warmup(policy, tokenizer, train_pairs, cfg: Config):
     """Supervised warm-up on the addition task until sampled accuracy on 256 fresh training prompts reaches
     --demo-warmup-target (checked every 5 steps), so PPO starts from a policy that is sometimes right. The jump in
-    accuracy comes anywhere between ~250 and 600+ steps depending on the seed, hence adaptive, not a fixed count.
+    accuracy comes anywhere between ~250 and 900+ steps depending on the seed, hence adaptive, not a fixed count.
     Cached on disk by (model config, vocabulary, seed, warm-up settings): a second run loads it."""
     key = json.dumps([policy.config.to_json_string(), sorted(tokenizer.get_vocab().items()), cfg.seed,
                       cfg.demo_warmup_lr, cfg.demo_warmup_target, cfg.demo_warmup_max_steps, "v3"])
@@ -857,56 +853,53 @@ def flatten_parameters(model):
 
 class WeightSync:
     """Trainer -> sampler weights through packed buffers: publish() copies the trainer's flat fp32 weights into a
-    staging buffer of the sampler's dtype (one copy, on the trainer's stream, with the cast), pull() copies staging
-    into the sampler's own flat weights (one copy, on the sampler's stream) at the sampler's safe points. CUDA events
-    order the two copies, so neither thread waits for the other's device work: only the short critical sections
-    that enqueue a copy hold the lock. The staging buffer is what lets the trainer go on updating its weights while
-    the sampler still generates with the previous version."""
+    staging buffer of the sampler's dtype (one copy, with the cast, on the trainer's stream), pull() copies staging
+    into the sampler's flat weights (one copy, on the sampler's stream) at the sampler's safe points. CUDA events order
+    the two copies, so neither thread waits for the other's device work; the lock covers only the enqueueing. The
+    staging buffer lets the trainer keep updating while the sampler still generates with the previous version."""
 
     def __init__(self, policy, sampler):
-        self.trainer_flat = flatten_parameters(policy)
-        self.sampler_flat = flatten_parameters(sampler)
+        self.trainer_flat, self.sampler_flat = flatten_parameters(policy), flatten_parameters(sampler)
         self.staging = self.sampler_flat.clone()
         self.cuda = self.sampler_flat.is_cuda
-        events = [torch.cuda.Event(enable_timing=True) if self.cuda else None for _ in range(4)]
-        self.start, self.published, self.pull_start, self.pulled = events  # the two copies' ends, for order and ms
         self.lock = threading.Condition()
-        self.version, self.sampler_version, self.publish_s, self.pull_s, self.pulled_once = 0, 0, 0.0, 0.0, False
+        self.version, self.sampler_version, self.seconds = 0, 0, {}  # seconds: each copy's last duration
+        self.events = {}  # name -> (start, end) CUDA events of each copy, for ordering and device time
+
+    def _copy(self, name: str, dst, src, after: str):  # dst <- src on the current stream, once `after` is done
+        t0 = time.perf_counter()
+        if self.cuda:
+            if name not in self.events:
+                self.events[name] = tuple(torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start, end = self.events[name]
+            if after in self.events:
+                torch.cuda.current_stream().wait_event(self.events[after][1])
+            start.record()
+        dst.copy_(src)
+        if self.cuda:
+            end.record()
+        self.seconds[name] = time.perf_counter() - t0  # (CUDA: replaced by the device time in sync_ms)
 
     def publish(self, version: int):  # trainer thread, after the optimizer steps of an update
         with self.lock:
-            t0 = time.perf_counter()
-            if self.cuda:
-                torch.cuda.current_stream().wait_event(self.pulled)  # the sampler has finished reading staging
-                self.start.record()
-            self.staging.copy_(self.trainer_flat)
-            if self.cuda:
-                self.published.record()
-            self.publish_s = time.perf_counter() - t0
+            self._copy("publish", self.staging, self.trainer_flat, after="pull")  # the sampler is done reading staging
             self.version = version
             self.lock.notify_all()
-
-    def sync_ms(self) -> float:  # the last publish's + the last pull's copy time (device time on CUDA)
-        if self.cuda:
-            self.published.synchronize()  # a ~1 ms copy
-            self.publish_s = self.start.elapsed_time(self.published) / 1e3
-            if self.pulled_once and self.pulled.query():
-                self.pull_s = self.pull_start.elapsed_time(self.pulled) / 1e3
-        return 1e3 * (self.publish_s + self.pull_s)
 
     def pull(self) -> int:  # sampler thread, between batches (or decode steps): take the newest version
         with self.lock:
             if self.version != self.sampler_version:
-                t0 = time.perf_counter()
-                if self.cuda:
-                    torch.cuda.current_stream().wait_event(self.published)
-                    self.pull_start.record()
-                self.sampler_flat.copy_(self.staging)
-                if self.cuda:
-                    self.pulled.record()
-                self.pull_s, self.pulled_once = time.perf_counter() - t0, True  # (CUDA: replaced by device time)
+                self._copy("pull", self.sampler_flat, self.staging, after="publish")
                 self.sampler_version = self.version
             return self.sampler_version
+
+    def sync_ms(self) -> float:  # the last publish's + the last pull's copy time (device time on CUDA)
+        if self.cuda:
+            self.events["publish"][1].synchronize()  # a ~1 ms copy
+            for name, (start, end) in self.events.items():
+                if end.query():
+                    self.seconds[name] = start.elapsed_time(end) / 1e3
+        return 1e3 * sum(self.seconds.values())
 
     def wait_for(self, version: int, stop: threading.Event):  # sampler: block until `version` is published
         with self.lock:
@@ -1220,7 +1213,7 @@ def train(cfg: Config, run, output_dir: str, threaded=None):
         tracer.write()
         logger.close()
     save_policy(policy, tokenizer, os.path.join(output_dir, "policy"))
-    summarize(history, first_accuracy, cfg, output_dir, history[-1]["time_s"])
+    summarize(history, first_accuracy, output_dir)
     return history
 
 
@@ -1244,10 +1237,10 @@ def iteration_record(step, batch: Rollout, kl, stats, cfg: Config, iter_s, gen_s
             "weight_sync_ms": sync_ms}
 
 
-def summarize(history, first_accuracy, cfg: Config, output_dir: str, seconds: float):
+def summarize(history, first_accuracy, output_dir: str):
     tenth = max(1, len(history) // 10)
     mean = lambda rs: sum(r["reward_mean"] for r in rs) / len(rs)
-    print(f"\ndone: {len(history)} iterations in {seconds:.0f} s; reward mean {mean(history[:tenth]):.3f} (first "
+    print(f"\ndone: {len(history)} iterations in {history[-1]['time_s']:.0f} s; reward mean {mean(history[:tenth]):.3f} (first "
           f"tenth) -> {mean(history[-tenth:]):.3f} (last tenth)")
     if first_accuracy is not None:
         print(f"held-out sampled accuracy: {first_accuracy:.3f} before PPO -> {history[-1]['eval_accuracy']:.3f} after")
