@@ -21,8 +21,8 @@ Run it:
     python ppo_tokens.py --help                             # every flag with its comment
 The numbers quoted in README.md come from the commands listed there, on the machines named there.
 """
-import argparse, contextlib, copy, dataclasses, hashlib, importlib, inspect, json, math, os, queue, random, shutil, sys
-import threading, time
+import argparse, contextlib, copy, dataclasses, hashlib, importlib, inspect, itertools, json, math, os, queue, random
+import shutil, signal, sys, threading, time
 from dataclasses import dataclass, field
 
 import torch
@@ -46,7 +46,7 @@ class Config:
     reward: str = arg("", "'module:function' with (prompts, completions) -> list[float]; the demo uses exact match")
     prompts: str = arg("", "JSONL file, one object per line with a 'prompt' field; empty = the demo's prompts")
     chat_template: bool = arg(True, "wrap each prompt in the tokenizer's chat template when it has one")
-    max_prompt_length: int = arg(512, "prompts longer than this many tokens keep their last tokens (counted warning)")
+    max_prompt_length: int = arg(512, "longest prompt in tokens; longer ones are cut or refused, see --long-prompts")
     # rollout
     steps: int = arg(300, "PPO iterations: one rollout batch and its update each")
     batch_size: int = arg(256, "rollouts (prompt + one sampled completion) per iteration")
@@ -92,6 +92,14 @@ class Config:
     eval_every: int = arg(25, "held-out evaluation every this many iterations (demo only; also before and after)")
     eval_size: int = arg(1000, "held-out prompts per evaluation (demo only)")
     sample_every: int = arg(50, "print a few sample completions every this many iterations (0 = never)")
+    # checkpoints and failures
+    save_every: int = arg(0, "write a checkpoint every this many iterations (0 = only at the end and on SIGINT/SIGTERM)")
+    keep_checkpoints: int = arg(2, "keep the newest this many checkpoints in --output-dir/checkpoints, delete older ones")
+    resume: str = arg("", "'--resume': continue from the newest whole checkpoint in --output-dir; '--resume PATH': from "
+                      "that checkpoint or run directory (its config is used; flags that change the run are refused)")
+    max_bad_steps: int = arg(3, "stop after this many consecutive updates skipped for non-finite rewards, losses or grads")
+    long_prompts: str = arg("truncate", "prompts over --max-prompt-length tokens: 'truncate' (keep the last tokens, "
+                            "counted warning) or 'refuse'")
     # run
     seed: int = arg(1, "seeds model init, sampling, data order and minibatch shuffling")
     device: str = arg("auto", "'auto' (cuda if available), 'cpu', 'cuda' or 'cuda:N'")
@@ -100,16 +108,34 @@ class Config:
     wandb_project: str = arg("", "log to this Weights & Biases project (off when empty; wandb imported only then)")
 
 
+# flags a resumed run may change; every other flag must match the checkpoint's config (or be left out)
+RUN_ONLY = ("resume", "output_dir", "save_every", "keep_checkpoints", "max_bad_steps", "trace", "wandb_project",
+            "sample_every", "device")
+
+
 def parse_config(argv=None) -> Config:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for f in dataclasses.fields(Config):
-        flag = "--" + f.name.replace("_", "-")
-        if f.type in (bool, "bool"):
+        flag, kind = "--" + f.name.replace("_", "-"), type(f.default)
+        if kind is bool:
             parser.add_argument(flag, default=f.default, action=argparse.BooleanOptionalAction, help=f.metadata["help"])
-        else:
-            parser.add_argument(flag, default=f.default, type=type(f.default), help=f.metadata["help"])
-    cfg = Config(**vars(parser.parse_args(argv)))
+        else:  # a bare --resume means "the newest checkpoint of --output-dir"
+            parser.add_argument(flag, default=f.default, type=kind, help=f.metadata["help"],
+                                **({"nargs": "?", "const": "latest"} if f.name == "resume" else {}))
+    args = vars(parser.parse_args(argv))
     try:
+        if args["resume"]:  # the checkpoint's config becomes the defaults, so `--resume PATH` alone continues the run
+            checkpoint = find_checkpoint(args["output_dir"] if args["resume"] == "latest" else args["resume"])
+            with open(os.path.join(checkpoint, "config.json"), encoding="utf-8") as f:
+                saved = {k: v for k, v in json.load(f).items() if k in args}
+            parser.set_defaults(**saved)
+            args = vars(parser.parse_args(argv))
+            changed = [k for k in saved if k not in RUN_ONLY and args[k] != saved[k]]
+            if changed:
+                raise ValueError("--resume: " + ", ".join(f"--{k.replace('_', '-')} {args[k]} differs from the "
+                                 f"checkpoint's {saved[k]}" for k in changed) + "; drop the flag or start a new run")
+            args.update(resume=checkpoint, output_dir=os.path.dirname(os.path.dirname(checkpoint)))
+        cfg = Config(**args)
         check_config(cfg)
     except ValueError as e:
         parser.exit(2, f"ppo_tokens.py: error: {e}\n")
@@ -132,10 +158,15 @@ def check_config(cfg: Config):
                "--model/--prompts need a reward: pass --reward module:function or --reward-model DIR"),
               (not cfg.model or cfg.prompts, "--model needs --prompts FILE.jsonl (the demo prompts fit the demo only)"),
               (0 < cfg.top_p <= 1 and cfg.top_k >= 0, "--top-p must be in (0, 1] and --top-k >= 0"),
+              (cfg.long_prompts in ("truncate", "refuse"), f"--long-prompts must be truncate or refuse (got {cfg.long_prompts!r})"),
+              (not cfg.prompts or os.path.isfile(cfg.prompts), f"--prompts {cfg.prompts}: no such file"),
+              (not cfg.reward_model or os.path.isdir(cfg.reward_model), f"--reward-model {cfg.reward_model}: no such directory"),
+              (cfg.save_every >= 0, f"--save-every must be >= 0 (got {cfg.save_every})"),
               (not cfg.device.startswith("cuda") or torch.cuda.is_available(),
                f"--device {cfg.device}: CUDA is not available here; use --device cpu")]
     checks += [(getattr(cfg, n) >= 1, f"--{n.replace('_', '-')} must be >= 1 (got {getattr(cfg, n)})")
-               for n in ("steps", "batch_size", "response_length", "ppo_epochs", "minibatches", "eval_every")]
+               for n in ("steps", "batch_size", "response_length", "ppo_epochs", "minibatches", "eval_every",
+                         "keep_checkpoints", "max_bad_steps")]
     checks += [(cfg.minibatches < 1 or cfg.batch_size % cfg.minibatches == 0,
                 f"--batch-size {cfg.batch_size} must be divisible by --minibatches {cfg.minibatches}"),
                (not cfg.micro_batch_size or minibatch_size % cfg.micro_batch_size == 0,
@@ -229,7 +260,10 @@ class ScalarHeadModel(nn.Module):
 def load_reward_model(path: str, device, dtype):
     """Returns (ScalarHeadModel, its tokenizer) from an AutoModelForSequenceClassification directory."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
-    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype)
+    try:
+        model, tokenizer = AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype), AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"--reward-model {path}: cannot load a sequence-classification model and tokenizer ({str(e).splitlines()[0]})")
     if model.config.num_labels != 1:
         raise SystemExit(f"--reward-model {path}: num_labels is {model.config.num_labels}; a reward model has 1")
     head = getattr(model, "score", None)
@@ -238,7 +272,7 @@ def load_reward_model(path: str, device, dtype):
                          "(LlamaForSequenceClassification, Qwen2ForSequenceClassification, ...)")
     rm = ScalarHeadModel(backbone_of(model), head)
     disable_dropout(rm)
-    return rm.to(device).eval().requires_grad_(False), AutoTokenizer.from_pretrained(path)
+    return rm.to(device).eval().requires_grad_(False), tokenizer
 
 
 def build_critic(policy, reward_model=None, same_tokenizer=False):
@@ -316,13 +350,14 @@ def addition_reward(prompts, completions):
 
 
 def load_prompts(path: str):
-    if not os.path.isfile(path):
-        raise SystemExit(f"--prompts {path}: no such file")
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.readlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise SystemExit(f"--prompts {path}: cannot read it as UTF-8 text ({e})")
     prompts = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
+    for n, line in enumerate(lines, 1):
+        if line.strip():
             try:
                 prompts.append(str(json.loads(line)["prompt"]))
             except (json.JSONDecodeError, KeyError, TypeError) as e:
@@ -344,19 +379,22 @@ def load_reward_function(spec: str):
         raise SystemExit(f"--reward {spec!r}: cannot load it ({e})")
 
 
-def format_prompts(tokenizer, texts, use_chat_template: bool, max_prompt_length: int):
+def format_prompts(tokenizer, texts, use_chat_template: bool, max_prompt_length: int, long_prompts="truncate"):
     """Token ids per prompt: in the tokenizer's chat template (with the generation prompt) when it has one and
     --chat-template is on, else the plain text with the tokenizer's own special tokens. Long prompts keep their
-    last tokens (the question is usually at the end); the number cut is printed."""
+    last tokens (the question is usually at the end; the number cut is printed), or are refused."""
     if use_chat_template and getattr(tokenizer, "chat_template", None):
         texts = [tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
                                                add_generation_prompt=True) for t in texts]
         ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
     else:
         ids = tokenizer(texts)["input_ids"]
-    cut = sum(len(x) > max_prompt_length for x in ids)
+    cut = [i for i, x in enumerate(ids) if len(x) > max_prompt_length]
+    if cut and long_prompts == "refuse":
+        raise SystemExit(f"{len(cut)} of {len(ids)} prompts are longer than --max-prompt-length {max_prompt_length} "
+                         f"tokens (the first is prompt {cut[0] + 1}); raise it, or pass --long-prompts truncate")
     if cut:
-        print(f"warning: {cut} of {len(ids)} prompts are longer than --max-prompt-length {max_prompt_length} "
+        print(f"warning: {len(cut)} of {len(ids)} prompts are longer than --max-prompt-length {max_prompt_length} "
               "tokens and keep only their last tokens")
     return [x[-max_prompt_length:] for x in ids]
 
@@ -373,11 +411,14 @@ def left_pad(seqs, pad_id: int, device):
     return ids.to(device), mask.to(device)
 
 
-def prompt_order(n: int, seed: int):
-    """Endless epochs over n prompts (their indices), each epoch in a fresh random order from its own generator."""
-    generator = torch.Generator().manual_seed(seed)
-    while True:
-        yield from reversed(torch.randperm(n, generator=generator).tolist())
+def prompt_order(n: int, seed: int, start: int = 0):
+    """Endless epochs over n prompts (their indices), each epoch in a fresh random order from its own generator;
+    start: skip that many (a resumed run continues the same order where its checkpoint left it)."""
+    def epochs():
+        generator = torch.Generator().manual_seed(seed)
+        while True:
+            yield from reversed(torch.randperm(n, generator=generator).tolist())
+    return itertools.islice(epochs(), start, None)
 
 
 def positions(mask):  # (B, L) -> (B, L): position ids that count real tokens only, right under left padding
@@ -706,13 +747,15 @@ def explained_variance(values, returns, mask):
 def ppo_update(policy, critic, policy_opt, critic_opt, batch: Rollout, cfg: Config, row_orders):
     """ppo_epochs x minibatches optimizer steps on one rollout batch, each minibatch as micro-batches whose gradients
     accumulate (the losses are divided by the minibatch's token count, so accumulation gives the same token mean as
-    one big batch). row_orders[e] is epoch e's shuffled row order; epoch 0's is the one scoring used."""
+    one big batch). row_orders[e] is epoch e's shuffled row order; epoch 0's is the one scoring used.
+    Non-finite guard: a NaN/inf loss or gradient norm skips that optimizer step and the rest of the update (the steps
+    already taken were finite and stand) and returns {"nonfinite": what and where}."""
     B = batch.response.shape[0]
     minibatch_size = B // cfg.minibatches
     micro = cfg.micro_batch_size or minibatch_size
     sums, n_steps, first_ratio_max_dev = {}, 0, torch.zeros(())
     for epoch in range(cfg.ppo_epochs):
-        for mb_rows in row_orders[epoch].to(batch.response.device).split(minibatch_size):
+        for minibatch, mb_rows in enumerate(row_orders[epoch].to(batch.response.device).split(minibatch_size)):
             mb_tokens = batch.loss_mask[mb_rows].sum()
             for rows in mb_rows.split(micro):
                 mb = batch.rows(rows)
@@ -731,8 +774,15 @@ def ppo_update(policy, critic, policy_opt, critic_opt, batch: Rollout, cfg: Conf
                 step_stats = {"pg_loss": pg_loss, "vf_loss": vf_loss, "entropy": entropy_mean, **pg_stats, **vf_stats}
                 for k, v in step_stats.items():  # micro-batch shares add up to minibatch means; .item() only at the end
                     sums[k] = sums.get(k, 0.0) + v.detach()
-            for name, model in (("grad_norm", policy), ("critic_grad_norm", critic)):
-                sums[name] = sums.get(name, 0.0) + torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            norms = [torch.nn.utils.clip_grad_norm_(m.parameters(), cfg.max_grad_norm) for m in (policy, critic)]
+            finite = torch.isfinite(torch.stack([sums["pg_loss"], sums["vf_loss"], *norms])).tolist()  # one sync
+            if not all(finite):
+                policy_opt.zero_grad(set_to_none=True)
+                critic_opt.zero_grad(set_to_none=True)
+                what = [n for n, ok in zip(("policy loss", "value loss", "policy grad norm", "critic grad norm"), finite) if not ok]
+                return {"nonfinite": f"{', '.join(what)} at epoch {epoch + 1} minibatch {minibatch + 1} (after {n_steps} finite steps)"}
+            for name, norm in zip(("grad_norm", "critic_grad_norm"), norms):
+                sums[name] = sums.get(name, 0.0) + norm
             for optimizer in (policy_opt, critic_opt):
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
@@ -880,6 +930,10 @@ class WeightSync:
             end.record()
         self.seconds[name] = time.perf_counter() - t0  # (CUDA: replaced by the device time in sync_ms)
 
+    def reset(self, version: int):  # after a checkpoint was loaded into the trainer: the sampler starts from it
+        self.sampler_flat.copy_(self.trainer_flat)
+        self.version = self.sampler_version = version
+
     def publish(self, version: int):  # trainer thread, after the optimizer steps of an update
         with self.lock:
             self._copy("publish", self.staging, self.trainer_flat, after="pull")  # the sampler is done reading staging
@@ -943,13 +997,13 @@ class Producer:
     bounded queue; or inline (threaded=False). Exceptions in the thread re-raise in the trainer; close() stops and
     joins the thread, also on error or Ctrl-C, so nothing hangs."""
 
-    def __init__(self, make_batch, sync: WeightSync, tracer: Tracer, max_staleness: int, n: int, threaded: bool):
+    def __init__(self, make_batch, sync: WeightSync, tracer: Tracer, max_staleness: int, start: int, n: int, threaded: bool):
         self.make_batch, self.sync, self.tracer, self.max_staleness = make_batch, sync, tracer, max_staleness
-        self.queue, self.stop, self.next_index = queue.Queue(maxsize=max(1, max_staleness)), threading.Event(), 0
+        self.queue, self.stop, self.next_index = queue.Queue(maxsize=max(1, max_staleness)), threading.Event(), start
         self.stream = torch.cuda.Stream() if sync.cuda else None  # the sampler's own CUDA stream, which must
         if self.stream is not None:  # see the sampler's weights that the default stream copied in
             self.stream.wait_stream(torch.cuda.current_stream())
-        self.thread = threading.Thread(target=self._run, args=(n,), daemon=True, name="ppo_tokens-sampler") if threaded else None
+        self.thread = threading.Thread(target=self._run, args=(start, n), daemon=True, name="ppo_tokens-sampler") if threaded else None
         if self.thread is not None:
             self.thread.start()
 
@@ -961,11 +1015,11 @@ class Producer:
         with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
             return self.make_batch(i, self.stop)
 
-    def _run(self, n: int):
+    def _run(self, start: int, n: int):
         if self.stream is None:  # CPU: the Python-bound decode needs one core; the trainer keeps the others
             torch.set_num_threads(1)  # (intra-op threads are per calling thread)
         try:
-            for i in range(n):
+            for i in range(start, n):
                 batch = self._produce(i)
                 with self.tracer.span("wait for queue space", "sampler"):
                     self._put(batch)
@@ -1035,8 +1089,9 @@ class Logger:
 
 def prepare_output_dir(cfg: Config) -> str:
     path = cfg.output_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
-    if os.path.exists(os.path.join(path, "metrics.jsonl")):
-        raise SystemExit(f"--output-dir {path} already holds a run (metrics.jsonl); choose another directory")
+    if not cfg.resume and (os.path.exists(os.path.join(path, "metrics.jsonl")) or checkpoints(path)):
+        raise SystemExit(f"--output-dir {path} already holds a run (metrics.jsonl, checkpoints); continue it with "
+                         "--resume, or choose another directory")
     os.makedirs(path, exist_ok=True)
     return path
 
@@ -1049,6 +1104,8 @@ def write_json(obj, path: str):  # via a temporary file and a rename, so a crash
 
 def save_policy(policy, tokenizer, path: str):
     """save_pretrained + tokenizer into path, written beside it first and renamed into place."""
+    from transformers.utils import logging
+    logging.disable_progress_bar()  # no "Writing model shards" bar at every checkpoint
     tmp = path + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     # cloned: the trainer's parameters are views into one flat buffer, which safetensors would see as shared memory
@@ -1057,6 +1114,97 @@ def save_policy(policy, tokenizer, path: str):
     if os.path.exists(path):
         shutil.rmtree(path)
     os.replace(tmp, path)
+
+
+def checkpoints(run_dir: str):  # the whole checkpoints of a run (renamed into place), oldest first
+    root = os.path.join(run_dir, "checkpoints")
+    return [os.path.join(root, n) for n in sorted(os.listdir(root)) if n.startswith("step-")] if os.path.isdir(root) else []
+
+
+def find_checkpoint(path: str) -> str:  # --resume PATH: a checkpoint directory, or a run directory's newest one
+    if not path:
+        raise ValueError("--resume needs --output-dir DIR (the run to continue), or --resume PATH")
+    if os.path.isfile(os.path.join(path, "trainer_state.pt")):
+        return path
+    found = checkpoints(path)
+    if not found:
+        raise ValueError(f"--resume: no whole checkpoint in {path} (looked for {os.path.join(path, 'checkpoints', 'step-*')})")
+    return found[-1]
+
+
+def save_checkpoint(output_dir: str, step: int, policy, critic, tokenizer, state: dict, cfg: Config) -> str:
+    """checkpoints/step-N/: the actor as an HF model with its tokenizer (usable as --model), the critic, the
+    optimizer, scheduler and RNG states, the step and the config. Written into a hidden temporary directory, flushed
+    to disk, then renamed into place, so a kill at any moment leaves the older checkpoints whole; the newest
+    --keep-checkpoints are kept."""
+    root = os.path.join(output_dir, "checkpoints")
+    final, tmp = os.path.join(root, f"step-{step:08d}"), os.path.join(root, f".tmp-step-{step:08d}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_policy(policy, tokenizer, os.path.join(tmp, "policy"))
+    torch.save(critic.state_dict(), os.path.join(tmp, "critic.pt"))
+    torch.save({**state, "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
+                "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
+               os.path.join(tmp, "trainer_state.pt"))
+    write_json(dataclasses.asdict(cfg), os.path.join(tmp, "config.json"))
+    for directory, _, files in os.walk(tmp):  # on disk before the rename makes the checkpoint count
+        for name in files:
+            with open(os.path.join(directory, name), "rb") as f:
+                os.fsync(f.fileno())
+    if os.environ.get("PPO_TOKENS_TEST_KILL_AT_CHECKPOINT") == str(step):  # test hook: die between write and rename
+        os.kill(os.getpid(), signal.SIGKILL)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    for old in checkpoints(output_dir)[:-cfg.keep_checkpoints]:
+        shutil.rmtree(old)
+    return final
+
+
+def load_checkpoint(path: str, policy, critic, optimizers, schedules) -> dict:
+    """Load a save_checkpoint directory into the trainer's models, optimizers and schedules (in place: the policy's
+    parameters stay views of the packed buffer) and restore the global RNGs. Returns the trainer state."""
+    from transformers import AutoModelForCausalLM
+    policy.load_state_dict(AutoModelForCausalLM.from_pretrained(os.path.join(path, "policy"), dtype=torch.float32).state_dict())
+    critic.load_state_dict(torch.load(os.path.join(path, "critic.pt"), map_location=policy.device))
+    state = torch.load(os.path.join(path, "trainer_state.pt"), map_location="cpu")
+    for owner, saved in zip([*optimizers, *schedules], state["optimizers"] + state["schedules"]):
+        owner.load_state_dict(saved)
+    torch.set_rng_state(state["torch_rng"])
+    random.setstate(state["python_rng"])
+    if state["cuda_rng"]:
+        torch.cuda.set_rng_state_all(state["cuda_rng"])
+    return state
+
+
+def restore_metrics(output_dir: str, step: int):
+    """On resume: keep metrics.jsonl's records up to the checkpoint's step. Records a crashed run logged after its
+    checkpoint (and a half-written last line) are dropped, and counted. Returns the kept iteration records."""
+    path, records, dropped = os.path.join(output_dir, "metrics.jsonl"), [], 0
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    record = {"step": math.inf}
+                if record["step"] <= step:
+                    records.append(record)
+                else:
+                    dropped += 1
+    if dropped:
+        print(f"resume: dropped {dropped} metrics records written after the checkpoint of step {step}")
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    os.replace(path + ".tmp", path)
+    return [r for r in records if r["step"] > 0 and "skipped_update" not in r]
+
+
+def nonfinite(batch: Rollout):  # what in a scored batch is NaN or inf, and in which rows; None when all is finite
+    for name in ("scores", "ref_logprobs", "old_logprobs", "values", "advantages"):
+        bad = ~torch.isfinite(getattr(batch, name).reshape(batch.response.shape[0], -1)).all(-1)  # (B,)
+        if bad.any():
+            rows = bad.nonzero().flatten().tolist()
+            return f"{name} in rows {rows[:8]}{' ...' if len(rows) > 8 else ''} of {batch.response.shape[0]}"
+    return None
 
 
 def format_line(r: dict, steps: int) -> str:
@@ -1072,14 +1220,20 @@ def format_line(r: dict, steps: int) -> str:
 
 
 def setup(cfg: Config):
-    """Tokenizer, policy (warmed up for the demo), frozen reference, critic, reward function and prompts."""
+    """Tokenizer, policy (warmed up for the demo), frozen reference, critic, reward function and prompts. Everything
+    that can be checked cheaply (prompts, reward function, model paths, lengths) is, before the warm-up."""
     device = torch.device(cfg.device if cfg.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, cfg.dtype)
     torch.manual_seed(cfg.seed)
+    prompt_texts = load_prompts(cfg.prompts) if cfg.prompts else None
+    rule = load_reward_function(cfg.reward) if cfg.reward else addition_reward
     if cfg.model:
         from transformers import AutoModelForCausalLM, AutoTokenizer
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-        policy = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+            policy = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"--model {cfg.model}: cannot load a causal LM and its tokenizer ({str(e).splitlines()[0]})")
     else:
         tokenizer = build_demo_tokenizer()
         policy = build_demo_policy(tokenizer, cfg.seed, cfg.demo_hidden, cfg.demo_layers)
@@ -1088,29 +1242,30 @@ def setup(cfg: Config):
     ensure_pad_token(tokenizer, policy)
     disable_dropout(policy)
     policy.to(device, torch.float32).eval()  # fp32 master weights (bf16 Adam updates round away); eval: no dropout
-    run = dict(tokenizer=tokenizer, policy=policy, eval_ids=None, eval_texts=None)
-    if cfg.prompts:
-        run["prompt_texts"] = load_prompts(cfg.prompts)
-    else:
+    run = dict(tokenizer=tokenizer, policy=policy, eval_ids=None, eval_texts=None, prompt_texts=prompt_texts)
+    if not cfg.prompts:
         train_pairs, eval_pairs = demo_pairs(cfg.eval_size)
         run["prompt_texts"] = [addition_prompt(a, b) for a, b in train_pairs]
         run["eval_texts"] = [addition_prompt(a, b) for a, b in eval_pairs]
         run["eval_ids"] = format_prompts(tokenizer, run["eval_texts"], cfg.chat_template, cfg.max_prompt_length)
-        demo_warmup(policy, tokenizer, train_pairs, cfg)
-    run["prompt_ids"] = format_prompts(tokenizer, run["prompt_texts"], cfg.chat_template, cfg.max_prompt_length)
-    run["reference"] = cast_parameters(copy.deepcopy(policy), dtype).requires_grad_(False)
+    run["prompt_ids"] = format_prompts(tokenizer, run["prompt_texts"], cfg.chat_template, cfg.max_prompt_length,
+                                       cfg.long_prompts)
+    longest, context = max(map(len, run["prompt_ids"])), getattr(policy.config, "max_position_embeddings", None)
+    if context and longest + cfg.response_length > context:
+        raise SystemExit(f"the longest prompt ({longest} tokens) plus --response-length {cfg.response_length} exceeds "
+                         f"the model's context of {context} tokens; lower --max-prompt-length or --response-length")
     reward_model, same_tokenizer = None, False
     if cfg.reward_model:
-        if not os.path.isdir(cfg.reward_model):
-            raise SystemExit(f"--reward-model {cfg.reward_model}: no such directory")
         reward_model, rm_tokenizer = load_reward_model(cfg.reward_model, device, dtype)
         same_tokenizer = same_vocabulary(rm_tokenizer, tokenizer)
         run["reward_fn"] = lambda b: reward_model_scores(reward_model, rm_tokenizer, tokenizer, b, cfg.chat_template,
                                                          cfg.micro_batch_size or cfg.batch_size // cfg.minibatches)
     else:
-        rule = load_reward_function(cfg.reward) if cfg.reward else addition_reward
         demo_rule = not cfg.reward  # the demo's exact match includes the EOS: digits, then stop
         run["reward_fn"] = lambda b: call_reward_function(rule, b.prompts, b.completions, device) * (b.ended if demo_rule else 1)
+    if not cfg.prompts:
+        demo_warmup(policy, tokenizer, train_pairs, cfg)
+    run["reference"] = cast_parameters(copy.deepcopy(policy), dtype).requires_grad_(False)
     run["critic"] = build_critic(policy, reward_model, same_tokenizer)
     print(f"policy {sum(p.numel() for p in policy.parameters()) / 1e6:.2f}M parameters on {device}; critic from "
           f"{'the reward model' if reward_model is not None and same_tokenizer else 'the policy, zero-initialised head'}")
@@ -1130,18 +1285,30 @@ def make_optimizers(cfg: Config, policy, critic):
 def train(cfg: Config, run, output_dir: str, threaded=None):
     """The loop: the producer samples and scores with the frozen models, the trainer scores with the current weights
     and updates. threaded=None: a sampler thread when --max-staleness > 0 or --inflight-updates, else inline (plain
-    synchronous PPO; the thread at staleness 0 gives the same result to the bit, only later)."""
+    synchronous PPO; the thread at staleness 0 gives the same result to the bit, only later). With --resume the run
+    continues from a checkpoint: at --max-staleness 0 to the same final weights as an uninterrupted run, since the
+    prompt order, the sampling and shuffling generators, the optimizers and the schedules all resume exactly (with a
+    sampler ahead, which weights a batch sees depends on timing anyway)."""
     policy, critic, tokenizer, device = run.policy, run.critic, run.tokenizer, run.policy.device
     sampler_dtype = torch.bfloat16 if device.type == "cuda" else policy.dtype  # inference copy: bf16 on GPU
     sampler = cast_parameters(copy.deepcopy(policy), sampler_dtype).requires_grad_(False)
     sync = WeightSync(policy, sampler)  # after this, policy's parameters live in one flat buffer
     policy_opt, critic_opt, schedules = make_optimizers(cfg, policy, critic)
-    write_json(dataclasses.asdict(cfg), os.path.join(output_dir, "config.json"))  # the config actually used
-    logger, tracer = Logger(cfg, output_dir), Tracer(cfg.trace)
-    order = prompt_order(len(run.prompt_ids), cfg.seed)
     sample_generator = torch.Generator(device).manual_seed(cfg.seed)
     shuffle_generator = torch.Generator().manual_seed(cfg.seed + 1)
     eval_seed = cfg.seed + 2
+    start, history, first_accuracy, last_checkpoint, elapsed = 0, [], None, None, 0.0
+    if cfg.resume:
+        state = load_checkpoint(cfg.resume, policy, critic, (policy_opt, critic_opt), schedules)
+        start, first_accuracy, elapsed, last_checkpoint = state["step"], state["first_accuracy"], state["time_s"], cfg.resume
+        sample_generator.set_state(state["sampler_rng"])
+        shuffle_generator.set_state(state["shuffle_rng"])
+        sync.reset(start)  # the sampler starts from the checkpoint's weights, as its policy version
+        history = restore_metrics(output_dir, start)
+        print(f"resumed from {cfg.resume} after iteration {start}/{cfg.steps}")
+    write_json(dataclasses.asdict(cfg), os.path.join(output_dir, "config.json"))  # the config actually used
+    logger, tracer = Logger(cfg, output_dir), Tracer(cfg.trace)
+    order = prompt_order(len(run.prompt_ids), cfg.seed, start=start * cfg.batch_size)
 
     def make_batch(i, stop):  # the producer: sample batch i, score it with the frozen models
         def between_steps():  # between decode steps: stop promptly on shutdown; take new weights if in-flight
@@ -1158,58 +1325,98 @@ def train(cfg: Config, run, output_dir: str, threaded=None):
                              top_k=cfg.top_k, top_p=cfg.top_p, policy_version=version,
                              between_steps=between_steps)
             batch.prompts, batch.completions = [run.prompt_texts[r] for r in rows], decode_completions(tokenizer, batch)
-            batch.gen_s = time.perf_counter() - t0
+            batch.gen_s, batch.sampler_rng = time.perf_counter() - t0, sample_generator.get_state()  # (for a checkpoint)
         with tracer.span("score: reference, reward", "sampler"):
             score_frozen(batch, run.reference, run.reward_fn, cfg)
             if device.type == "cuda":
                 torch.cuda.current_stream().synchronize()  # the batch is complete before the trainer's stream reads it
         return batch
 
+    def checkpoint(step, batch):
+        state = {"step": step, "first_accuracy": first_accuracy, "time_s": time.time() - t_start,
+                 "sampler_rng": batch.sampler_rng, "shuffle_rng": shuffle_generator.get_state(),
+                 "optimizers": [policy_opt.state_dict(), critic_opt.state_dict()], "schedules": [s.state_dict() for s in schedules]}
+        path = save_checkpoint(output_dir, step, policy, critic, tokenizer, state, cfg)
+        print(f"checkpoint: {path}", flush=True)
+        return path
+
+    stop_signal = []  # the first SIGINT/SIGTERM ends the run after the current iteration, with a checkpoint
+
+    def on_signal(signum, frame):
+        if stop_signal:
+            raise KeyboardInterrupt  # a second one: abandon the iteration now
+        stop_signal.append(signal.Signals(signum).name)
+        print(f"\n{stop_signal[0]}: finishing this iteration, then a checkpoint (send it again to abandon)", flush=True)
+
+    in_main = threading.current_thread() is threading.main_thread()
+    handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)} if in_main else {}
     threaded = (cfg.max_staleness > 0 or cfg.inflight_updates) if threaded is None else threaded
-    history, first_accuracy, producer = [], None, None
+    producer, bad_steps = None, 0
     try:
-        if run.eval_ids is not None:
+        if run.eval_ids is not None and not cfg.resume:
             first_accuracy = evaluate(policy, tokenizer, run.eval_ids, run.eval_texts, cfg, eval_seed)
             logger.log({"step": 0, "eval_accuracy": first_accuracy, "time_s": 0.0})
             print(f"held-out sampled accuracy before PPO: {first_accuracy:.3f}")
-        producer = Producer(make_batch, sync, tracer, cfg.max_staleness, cfg.steps, threaded)
-        start = window = time.time()  # an iteration's window: from the end of the last one to the end of this one
+        producer = Producer(make_batch, sync, tracer, cfg.max_staleness, start, cfg.steps, threaded)
+        window = time.time()  # an iteration's window: from the end of the last one to the end of this one
+        t_start = window - elapsed
         tracer.take()
-        for step in range(1, cfg.steps + 1):
+        for step in range(start + 1, cfg.steps + 1):
             batch = producer.get()
             with tracer.span("score: old log-probs, values", "trainer"):
                 row_orders = [torch.randperm(cfg.batch_size, generator=shuffle_generator) for _ in range(cfg.ppo_epochs)]
                 kl = score_trainer(batch, policy, critic, cfg, row_orders[0], version=step - 1)
+                problem = nonfinite(batch)
             with tracer.span("update", "trainer"):
                 t_update = time.time()
                 lr = schedules[0].get_last_lr()[0]  # the learning rate this update uses
-                stats = ppo_update(policy, critic, policy_opt, critic_opt, batch, cfg, row_orders)
+                stats = ppo_update(policy, critic, policy_opt, critic_opt, batch, cfg, row_orders) if problem is None else {}
+                problem = problem or stats.get("nonfinite")
                 for schedule in schedules:
                     schedule.step()
                 update_s = time.time() - t_update
             with tracer.span("publish weights", "trainer"):
                 sync.publish(step)
                 sync_ms = sync.sync_ms()
-            accuracy = None
-            if run.eval_ids is not None and (step % cfg.eval_every == 0 or step == cfg.steps):
-                with tracer.span("evaluate", "trainer"):
-                    accuracy = evaluate(policy, tokenizer, run.eval_ids, run.eval_texts, cfg, eval_seed)
-            now = time.time()
-            record = iteration_record(step, batch, kl, stats, cfg, now - window, batch.gen_s, update_s,
-                                      tracer.take(), sync_ms, lr)
-            window = now
-            if accuracy is not None:
-                record["eval_accuracy"] = accuracy
-            record["time_s"] = now - start
-            logger.log(record)
-            history.append(record)
-            print(format_line(record, cfg.steps), flush=True)
-            if cfg.sample_every and (step % cfg.sample_every == 0 or step == 1):
-                for p, c, s in zip(batch.prompts[:3], batch.completions[:3], batch.scores[:3].tolist()):
-                    print(f"    {p!r} -> {c!r}  (score {s:.2f})")
+            if problem is not None:  # the non-finite guard: this update is skipped, the weights stay finite
+                bad_steps += 1
+                logger.log({"step": step, "skipped_update": f"non-finite {problem}", "time_s": time.time() - t_start})
+                print(f"it {step:>4}/{cfg.steps} | update skipped: non-finite {problem} | "
+                      f"{bad_steps}/{cfg.max_bad_steps} in a row", flush=True)
+                if bad_steps >= cfg.max_bad_steps:
+                    raise SystemExit(f"stopping: {bad_steps} consecutive updates skipped for non-finite values (last: "
+                                     f"{problem}); the last good checkpoint is {last_checkpoint or 'none (--save-every 0)'}")
+            else:
+                bad_steps = 0
+                accuracy = None
+                if run.eval_ids is not None and (step % cfg.eval_every == 0 or step == cfg.steps):
+                    with tracer.span("evaluate", "trainer"):
+                        accuracy = evaluate(policy, tokenizer, run.eval_ids, run.eval_texts, cfg, eval_seed)
+                now = time.time()
+                record = iteration_record(step, batch, kl, stats, cfg, now - window, batch.gen_s, update_s,
+                                          tracer.take(), sync_ms, lr)
+                window = now
+                if accuracy is not None:
+                    record["eval_accuracy"] = accuracy
+                record["time_s"] = now - t_start
+                logger.log(record)
+                history.append(record)
+                print(format_line(record, cfg.steps), flush=True)
+                if cfg.sample_every and (step % cfg.sample_every == 0 or step == 1):
+                    for p, c, s in zip(batch.prompts[:3], batch.completions[:3], batch.scores[:3].tolist()):
+                        print(f"    {p!r} -> {c!r}  (score {s:.2f})")
+                if cfg.save_every and (step % cfg.save_every == 0 or step == cfg.steps):
+                    last_checkpoint = checkpoint(step, batch)
+            if stop_signal:
+                last_checkpoint = checkpoint(step, batch)
+                print(f"stopped by {stop_signal[0]} after iteration {step}/{cfg.steps}; continue with: "
+                      f"python ppo_tokens.py --resume {last_checkpoint}")
+                return history
     finally:
         if producer is not None:
             producer.close()
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
         tracer.write()
         logger.close()
     save_policy(policy, tokenizer, os.path.join(output_dir, "policy"))
@@ -1238,12 +1445,12 @@ def iteration_record(step, batch: Rollout, kl, stats, cfg: Config, iter_s, gen_s
 
 
 def summarize(history, first_accuracy, output_dir: str):
-    tenth = max(1, len(history) // 10)
-    mean = lambda rs: sum(r["reward_mean"] for r in rs) / len(rs)
-    print(f"\ndone: {len(history)} iterations in {history[-1]['time_s']:.0f} s; reward mean {mean(history[:tenth]):.3f} (first "
-          f"tenth) -> {mean(history[-tenth:]):.3f} (last tenth)")
-    if first_accuracy is not None:
-        print(f"held-out sampled accuracy: {first_accuracy:.3f} before PPO -> {history[-1]['eval_accuracy']:.3f} after")
+    tenth, accuracies = max(1, len(history) // 10), [r["eval_accuracy"] for r in history if "eval_accuracy" in r]
+    mean = lambda rs: sum(r["reward_mean"] for r in rs) / max(1, len(rs))
+    print(f"\ndone: {len(history)} iterations in {history[-1]['time_s'] if history else 0:.0f} s; reward mean "
+          f"{mean(history[:tenth]):.3f} (first tenth) -> {mean(history[-tenth:]):.3f} (last tenth)")
+    if first_accuracy is not None and accuracies:
+        print(f"held-out sampled accuracy: {first_accuracy:.3f} before PPO -> {accuracies[-1]:.3f} after")
     print(f"policy saved to {os.path.join(output_dir, 'policy')}; metrics in {os.path.join(output_dir, 'metrics.jsonl')}")
 
 

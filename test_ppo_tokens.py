@@ -969,7 +969,7 @@ def test_staleness_one_keeps_every_token_within_bounds(tmp_path):
     assert all(r["staleness_max"] <= 2 for r in records) and max(r["staleness_max"] for r in records) == 2
 
 
-def test_sampler_errors_and_ctrl_c_stop_the_run_without_a_hung_thread(tmp_path, monkeypatch):
+def test_sampler_errors_and_sigterm_stop_the_run_without_a_hung_thread(tmp_path, monkeypatch):
     import signal
     import threading
     (tmp_path / "flaky.py").write_text("calls = 0\ndef score(prompts, completions):\n    global calls\n    calls += 1\n"
@@ -992,7 +992,163 @@ def test_sampler_errors_and_ctrl_c_stop_the_run_without_a_hung_thread(tmp_path, 
             seen = True
             break
     assert seen, "the run did not reach iteration 2"
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signal.SIGTERM)
     t0 = time.time()
     out, _ = proc.communicate(timeout=60)
-    assert time.time() - t0 < 20 and proc.returncode != 0 and "KeyboardInterrupt" in out  # stopped, promptly
+    assert time.time() - t0 < 20 and proc.returncode == 0, out[-2000:]  # stopped, promptly, with a checkpoint
+    (checkpoint,) = pt.checkpoints(tmp_path / "run2")
+    assert f"stopped by SIGTERM after iteration" in out and f"--resume {checkpoint}" in out
+    state = load_into_fresh_models(checkpoint)
+    assert state["step"] >= 2 and not any(t.name == "ppo_tokens-sampler" for t in threading.enumerate())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# checkpoints, resume, the non-finite guard, bad input
+
+
+def load_into_fresh_models(checkpoint):  # what --resume does, into models built from the checkpoint's config
+    cfg = pt.Config(**json.load(open(os.path.join(checkpoint, "config.json"))))
+    tokenizer = pt.build_demo_tokenizer()
+    policy = pt.build_demo_policy(tokenizer, 0, cfg.demo_hidden, cfg.demo_layers)
+    critic = pt.build_critic(policy)
+    policy_opt, critic_opt, schedules = pt.make_optimizers(cfg, policy, critic)
+    state = pt.load_checkpoint(checkpoint, policy, critic, (policy_opt, critic_opt), schedules)
+    assert all(torch.isfinite(p).all() for p in [*policy.parameters(), *critic.parameters()])
+    assert schedules[0].last_epoch == state["step"] and len(policy_opt.state) > 0
+    return state
+
+
+def write_killer_module(path):  # a reward that kills its own process (kill -9) at call $KILL_AT, else count_ones
+    (path / "killer.py").write_text("import os, signal\ncalls = 0\ndef score(prompts, completions):\n"
+                                    "    global calls\n    calls += 1\n"
+                                    "    if calls == int(os.environ.get('KILL_AT', '0')):\n"
+                                    "        os.kill(os.getpid(), signal.SIGKILL)\n"
+                                    "    return [c.count('1') / 4 for c in completions]\n")
+
+
+def run_raw(args, cwd, **env):
+    return subprocess.run([sys.executable, SCRIPT, *args], cwd=cwd, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1", **env})
+
+
+def test_resume_after_kill_ends_with_the_same_weights_as_an_uninterrupted_run(tmp_path):
+    from safetensors.torch import load_file
+    write_killer_module(tmp_path)
+    args = [a if a != "count_ones:score" else "killer:score" for a in LOOP] + ["--save-every", "1"]
+    run_script([*args, "--output-dir", str(tmp_path / "full")], tmp_path)
+    killed = run_raw([*args, "--output-dir", str(tmp_path / "part")], tmp_path, KILL_AT="3")  # in iteration 3
+    assert killed.returncode == -9 and [os.path.basename(c) for c in pt.checkpoints(tmp_path / "part")] == \
+        ["step-00000001", "step-00000002"]
+    out = run_script(["--resume", str(tmp_path / "part")], tmp_path)  # the flags come from the checkpoint
+    assert "resumed from" in out and "step-00000002 after iteration 2/4" in out
+    full, part = load_file(tmp_path / "full/policy/model.safetensors"), load_file(tmp_path / "part/policy/model.safetensors")
+    assert full.keys() == part.keys() and all(torch.equal(full[k], part[k]) for k in full)
+    a, b = read_metrics(tmp_path / "full"), read_metrics(tmp_path / "part")
+    assert [r["step"] for r in b] == [0, 1, 2, 3, 4]  # each iteration logged once
+    for key in ("pg_loss", "vf_loss", "reward_mean", "lr", "kl"):
+        assert [r.get(key) for r in a] == [r.get(key) for r in b], key
+    assert [os.path.basename(c) for c in pt.checkpoints(tmp_path / "part")] == ["step-00000003", "step-00000004"]
+    refused = run_raw([*args, "--output-dir", str(tmp_path / "part")], tmp_path)  # a finished run, without --resume
+    assert refused.returncode == 1 and "already holds a run" in refused.stderr and "--resume" in refused.stderr
+
+
+def test_a_kill_while_writing_a_checkpoint_leaves_the_previous_one_whole(tmp_path):
+    write_reward_module(tmp_path)
+    args = [*LOOP, "--save-every", "1", "--output-dir", str(tmp_path / "run")]
+    killed = run_raw(args, tmp_path, PPO_TOKENS_TEST_KILL_AT_CHECKPOINT="2")
+    assert killed.returncode == -9
+    assert [os.path.basename(c) for c in pt.checkpoints(tmp_path / "run")] == ["step-00000001"]
+    assert os.path.isdir(tmp_path / "run/checkpoints/.tmp-step-00000002")  # the half-written one, never used
+    assert load_into_fresh_models(pt.checkpoints(tmp_path / "run")[0])["step"] == 1
+    out = run_script([*args, "--resume"], tmp_path)
+    assert "step-00000001 after iteration 1/4" in out and "dropped 1 metrics records" in out
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [0, 1, 2, 3, 4]
+
+
+def test_non_finite_rewards_skip_updates_then_stop_with_the_last_good_checkpoint_intact(tmp_path):
+    (tmp_path / "nan_later.py").write_text("calls = 0\ndef score(prompts, completions):\n    global calls\n"
+                                           "    calls += 1\n    return [float('nan') if calls > 2 else 0.5] * len(completions)\n")
+    args = [a if a != "count_ones:score" else "nan_later:score" for a in LOOP]
+    proc = run_raw([*args, "--steps", "6", "--save-every", "1", "--max-bad-steps", "2", "--output-dir",
+                    str(tmp_path / "run")], tmp_path)
+    assert proc.returncode == 1 and "stopping: 2 consecutive updates skipped for non-finite values" in proc.stderr
+    assert "the last good checkpoint is" in proc.stderr and "step-00000002" in proc.stderr.splitlines()[-1]
+    assert "update skipped: non-finite scores in rows [0, 1, 2, 3, 4, 5, 6, 7] ... of 16" in proc.stdout
+    records = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in records if "skipped_update" in r] == [3, 4]
+    assert [os.path.basename(c) for c in pt.checkpoints(tmp_path / "run")] == ["step-00000001", "step-00000002"]
+    load_into_fresh_models(pt.checkpoints(tmp_path / "run")[-1])
+
+
+def test_non_finite_loss_skips_the_update_and_leaves_the_weights_alone(tokenizer):
+    cfg, policy, reference, critic, batch = tiny_setup(tokenizer)
+    orders = [torch.randperm(8) for _ in range(cfg.ppo_epochs)]
+    score(batch, policy, reference, critic, constant_reward(1.0), cfg, orders[0])
+    batch.advantages[:, 0] = float("inf")  # every minibatch's loss is non-finite
+    before = [p.detach().clone() for p in policy.parameters()]
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (policy, critic)]
+    stats = pt.ppo_update(policy, critic, *opts, batch, cfg, orders)
+    assert stats["nonfinite"].startswith("policy loss") and "epoch 1 minibatch 1 (after 0 finite steps)" in stats["nonfinite"]
+    assert all(torch.equal(p, b) for p, b in zip(policy.parameters(), before)) and all(p.grad is None for p in policy.parameters())
+    assert pt.nonfinite(batch) == "advantages in rows [0, 1, 2, 3, 4, 5, 6, 7] of 8"
+
+
+def exit_of(argv, capsys):  # (exit status, message) of the real entry point, in-process
+    with pytest.raises(SystemExit) as e:
+        pt.main(argv)
+    err = capsys.readouterr().err
+    return (e.value.code, err) if isinstance(e.value.code, int) else (1, str(e.value.code))  # as the interpreter
+
+
+def test_bad_input_is_refused_with_one_clear_line(tmp_path, capsys, monkeypatch, tokenizer):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bad_rewards_2.py").write_text("def boom(p, c):\n    raise ValueError('no scorer')\n"
+                                               "def words(p, c):\n    return ['high'] * len(c)\n")
+    write_reward_module(tmp_path)
+    (tmp_path / "empty.jsonl").write_text("\n\n")
+    (tmp_path / "broken.jsonl").write_text('{"prompt": "1+1"}\n{"prompt": "2+2"}\n{"text": "3+3"}\n')
+    (tmp_path / "binary.jsonl").write_bytes(b"\xff\xfe\x00garbage")
+    (tmp_path / "long.jsonl").write_text(json.dumps({"prompt": "1" * 70}) + "\n")
+    no_eos = pt.build_demo_tokenizer()
+    no_eos.eos_token = None
+    tiny_llama(len(tokenizer), dtype=torch.float32).save_pretrained(tmp_path / "no_eos")
+    no_eos.save_pretrained(tmp_path / "no_eos")
+    os.makedirs(tmp_path / "old_run/checkpoints/step-00000003")
+    base = [*LOOP, "--steps", "1"]
+    with_prompts = lambda f: [*base, "--prompts", str(tmp_path / f)]
+    (tmp_path / "good.jsonl").write_text(json.dumps({"prompt": "1+1"}) + "\n")
+    capsys.readouterr()
+    cases = [([*with_prompts("good.jsonl"), "--model", str(tmp_path / "nowhere")], 1, f"--model {tmp_path / 'nowhere'}: cannot load"),
+             ([*base, "--reward", "", "--reward-model", "nowhere"], 2, "--reward-model nowhere: no such directory"),
+             ([*base, "--prompts", "nowhere.jsonl"], 2, "--prompts nowhere.jsonl: no such file"),
+             (with_prompts("binary.jsonl"), 1, "cannot read it as UTF-8 text"),
+             (with_prompts("empty.jsonl"), 1, "the file holds no prompts"),
+             (with_prompts("broken.jsonl"), 1, "line 3 is not a JSON object with a 'prompt' field"),
+             ([*with_prompts("long.jsonl"), "--max-prompt-length", "30", "--long-prompts", "refuse"], 1,
+              "1 of 1 prompts are longer than --max-prompt-length 30 tokens (the first is prompt 1)"),
+             ([*with_prompts("long.jsonl"), "--max-prompt-length", "100"], 1,
+              "the longest prompt (71 tokens) plus --response-length 6 exceeds the model's context of 64 tokens"),
+             ([*base, "--reward", "bad_rewards_2:boom"], 1, "the reward function raised ValueError: no scorer"),
+             ([*base, "--reward", "bad_rewards_2:words"], 1, "the reward function must return a list of numbers"),
+             ([*base, "--reward", "bad_rewards_2:missing"], 1, "--reward 'bad_rewards_2:missing': cannot load it"),
+             ([*with_prompts("good.jsonl"), "--model", str(tmp_path / "no_eos")], 1, "has no EOS token"),
+             ([*base, "--batch-size", "15"], 2, "--batch-size 15 must be divisible by --minibatches 2"),
+             ([*base, "--temperature", "-1"], 2, "--temperature must be > 0"),
+             ([*base, "--output-dir", str(tmp_path / "old_run")], 1, "already holds a run (metrics.jsonl, checkpoints); "
+              "continue it with --resume"),
+             ([*base, "--resume", "--output-dir", ""], 2, "--resume needs --output-dir DIR"),
+             ([*base, "--resume", str(tmp_path / "nowhere")], 2, "--resume: no whole checkpoint in")]
+    if not torch.cuda.is_available():
+        cases.append(([*base, "--device", "cuda"], 2, "--device cuda: CUDA is not available here; use --device cpu"))
+    for i, (argv, status, message) in enumerate(cases):
+        if "--output-dir" not in argv:
+            argv = [*argv, "--output-dir", str(tmp_path / f"run{i}")]
+        code, err = exit_of(argv, capsys)
+        assert (code, message in err) == (status, True), (argv, code, err)
+        assert len(err.strip().splitlines()) == 1 or status == 2, err  # one line (argparse adds a usage line)
+    with open(tmp_path / "old_run/checkpoints/step-00000003/config.json", "w") as f:
+        json.dump(pt.dataclasses.asdict(pt.parse_config(base)), f)
+    code, err = exit_of(["--resume", str(tmp_path / "old_run"), "--lr", "0.1"], capsys)
+    assert code == 2 and "--lr 0.1 differs from the checkpoint's 0.003; drop the flag or start a new run" in err
+    ids = pt.format_prompts(tokenizer, ["1" * 70, "12"], False, 30)
+    assert [len(x) for x in ids] == [30, 3] and "1 of 2 prompts are longer than --max-prompt-length 30" in capsys.readouterr().out
