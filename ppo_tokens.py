@@ -82,6 +82,8 @@ class Config:
     trace: str = arg("", "write a Chrome trace (chrome://tracing, ui.perfetto.dev) of sampler and trainer to this file")
     bench_overlap: bool = arg(False, "benchmark: run --steps iterations at --max-staleness 0, 1 and 2, print a table")
     full_logits: bool = arg(False, "compute log-probs from full [tokens, vocab] logits instead of the fused lm_head path")
+    fsdp: bool = arg(False, "under torchrun: shard the actor's and critic's weights, grads and optimizer states over the "
+                     "ranks (FSDP2) instead of replicating them (DDP); the sampler stays a full copy per rank")
     # the built-in demo
     demo_warmup_max_steps: int = arg(1500, "cap on supervised warm-up steps before PPO (0 = no warm-up)")
     demo_warmup_target: float = arg(0.20, "warm-up stops once sampled accuracy on 256 training prompts reaches this")
@@ -146,7 +148,9 @@ def check_config(cfg: Config):
     """Resolve the derived values and check every size once, with errors that name the flags to change."""
     if cfg.response_length == 0:
         cfg.response_length = 4 if is_demo(cfg) else 128
-    minibatch_size = cfg.batch_size // max(1, cfg.minibatches)
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # under torchrun --batch-size is global; each rank takes 1/world
+    ranks = f" x {world} ranks (torchrun's WORLD_SIZE)" if world > 1 else ""
+    minibatch_size = cfg.batch_size // max(1, cfg.minibatches * world)  # per rank
     checks = [(cfg.max_staleness >= 0, f"--max-staleness must be >= 0 (got {cfg.max_staleness}); 0 is synchronous PPO"),
               (cfg.is_mode in ("truncate", "mask") and cfg.is_cap >= 1,
                f"--is-mode must be truncate or mask and --is-cap >= 1 (got {cfg.is_mode!r}, {cfg.is_cap})"),
@@ -167,11 +171,11 @@ def check_config(cfg: Config):
     checks += [(getattr(cfg, n) >= 1, f"--{n.replace('_', '-')} must be >= 1 (got {getattr(cfg, n)})")
                for n in ("steps", "batch_size", "response_length", "ppo_epochs", "minibatches", "eval_every",
                          "keep_checkpoints", "max_bad_steps")]
-    checks += [(cfg.minibatches < 1 or cfg.batch_size % cfg.minibatches == 0,
-                f"--batch-size {cfg.batch_size} must be divisible by --minibatches {cfg.minibatches}"),
+    checks += [(cfg.minibatches < 1 or cfg.batch_size % (cfg.minibatches * world) == 0,
+                f"--batch-size {cfg.batch_size} must be divisible by --minibatches {cfg.minibatches}{ranks}"),
                (not cfg.micro_batch_size or minibatch_size % cfg.micro_batch_size == 0,
-                f"the minibatch size (--batch-size {cfg.batch_size} / --minibatches {cfg.minibatches} = "
-                f"{minibatch_size}) must be divisible by --micro-batch-size {cfg.micro_batch_size}")]
+                f"the minibatch size per rank (--batch-size {cfg.batch_size} / --minibatches {cfg.minibatches}{ranks} "
+                f"= {minibatch_size}) must be divisible by --micro-batch-size {cfg.micro_batch_size}")]
     for ok, message in checks:
         if not ok:
             raise ValueError(message)
@@ -179,6 +183,51 @@ def check_config(cfg: Config):
 
 def is_demo(cfg: Config) -> bool:
     return not cfg.model and not cfg.prompts
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# distributed set-up: torchrun sets RANK, LOCAL_RANK and WORLD_SIZE; without them this is a single process. Each rank
+# samples and scores its own shard of every batch with its own sampler; the actor and critic train data-parallel
+# (DDP, or FSDP2 with --fsdp); whitening statistics and logged scalars are reduced over all ranks.
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    local_rank: int = 0
+    world: int = 1
+
+
+def init_distributed(cfg: Config) -> Dist:
+    if "RANK" not in os.environ:
+        return Dist()
+    ctx = Dist(int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"]))
+    cuda = cfg.device != "cpu" and torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(ctx.local_rank)  # one device per local rank
+    torch.distributed.init_process_group("nccl" if cuda else "gloo")
+    if ctx.rank > 0:  # rank 0 alone prints; errors (stderr) still come from every rank
+        sys.stdout = open(os.devnull, "w")
+    return ctx
+
+
+def all_reduce(t, op="sum"):  # t reduced over all ranks, in place; the identity in a single process
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(t, getattr(torch.distributed.ReduceOp, op.upper()))
+    return t
+
+
+def any_rank(flag: bool, device) -> bool:  # a decision every rank must take together (skip an update, stop)
+    return bool(all_reduce(torch.tensor([float(flag)], device=device), "max"))
+
+
+@contextlib.contextmanager
+def rank_zero_first(ctx: Dist):  # rank 0 runs the block first (filling a cache); the others then run it, reading it
+    if ctx.rank > 0:
+        torch.distributed.barrier()
+    yield
+    if ctx.rank == 0 and ctx.world > 1:
+        torch.distributed.barrier()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -321,6 +370,19 @@ def sequence_logprobs(model, input_ids, attention_mask, position_ids, response, 
         return linear_token_logprobs(hidden, weight, response, temperature, mask=mask, kept_ids=kept_ids)
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False).logits
     return token_logprobs(logits[:, P - 1:-1], response, temperature, mask=mask, kept_ids=kept_ids)  # (B, T) x2
+
+
+class Actor(nn.Module):
+    """sequence_logprobs of a policy as one module forward, so DDP and FSDP2 see the whole computation: the fused
+    path reads lm_head.weight directly, which only the forward of the module they wrap syncs (DDP) or gathers (FSDP2)."""
+
+    def __init__(self, policy, temperature: float, full_logits=False):
+        super().__init__()
+        self.policy, self.temperature, self.full_logits = policy, temperature, full_logits
+
+    def forward(self, input_ids, attention_mask, position_ids, response, response_mask, kept_ids=None):
+        return sequence_logprobs(self.policy, input_ids, attention_mask, position_ids, response, response_mask,
+                                 self.temperature, kept_ids, self.full_logits)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -484,7 +546,8 @@ class Rollout:
     old_logprobs: torch.Tensor = None  # (B, T) recomputed by the trainer's policy before the update
     ref_logprobs: torch.Tensor = None  # (B, T) under the frozen reference
     values: torch.Tensor = None  # (B, T) critic's value of the state before each token
-    scores: torch.Tensor = None  # (B,) sequence score (reward model / function), after penalty and whitening
+    raw_scores: torch.Tensor = None  # (B,) sequence score of the reward model / function
+    scores: torch.Tensor = None  # (B,) the same after the missing-EOS penalty and (--whiten-scores) whitening
     rewards: torch.Tensor = None  # (B, T) per-token reward: -kl_coef * kl_t, plus the score on the last real token
     advantages: torch.Tensor = None  # (B, T) GAE advantages, whitened over real tokens
     returns: torch.Tensor = None  # (B, T) advantages + values (before whitening): the critic's targets
@@ -576,11 +639,12 @@ def masked_mean(x, mask, denom=None):  # mean of x over mask == 1 (or sum / deno
 
 def masked_whiten(x, mask):
     """(x - mean) / std over the real tokens only: pads neither shift the statistics nor get a value (they stay 0).
-    Unbiased variance, as TRL. The hook for cross-rank statistics is the two sums below."""
+    Unbiased variance, as TRL. Under torchrun the sums run over every rank's tokens, so the result does not depend
+    on how the batch was split."""
     mask = mask.bool()
-    n = mask.sum()
-    mean = torch.where(mask, x, 0.0).sum() / n
-    var = torch.where(mask, (x - mean) ** 2, 0.0).sum() / (n - 1).clamp(min=1)
+    total = all_reduce(torch.stack([torch.where(mask, x, 0.0).sum(), mask.sum().to(x.dtype)]))  # (sum, count)
+    mean, n = total[0] / total[1], total[1]
+    var = all_reduce(torch.where(mask, (x - mean) ** 2, 0.0).sum()) / (n - 1).clamp(min=1)
     return torch.where(mask, (x - mean) * torch.rsqrt(var + 1e-8), 0.0)
 
 
@@ -622,9 +686,9 @@ def gae(rewards, values, response_mask, gamma: float, lam: float):
     return advantages, torch.where(mask, advantages + values, 0.0)
 
 
-def rollout_logprobs(model, batch: Rollout, cfg: Config):  # sequence_logprobs of a batch's responses, (B, T) x2
-    return sequence_logprobs(model, *full_sequence(batch), batch.response, batch.response_mask, cfg.temperature,
-                             batch.kept_ids, cfg.full_logits)
+def rollout_logprobs(model, batch: Rollout, cfg: Config):  # (logprobs, entropy), (B, T) each, of a batch's responses
+    actor = model if isinstance(getattr(model, "module", model), Actor) else Actor(model, cfg.temperature, cfg.full_logits)
+    return actor(*full_sequence(batch), batch.response, batch.response_mask, batch.kept_ids)
 
 
 def full_sequence(batch: Rollout):  # prompt + response as one left-padded sequence, its mask and position ids
@@ -654,9 +718,8 @@ def score_frozen(batch: Rollout, reference, reward_fn, cfg: Config):
     batch.ref_logprobs = torch.zeros_like(batch.behav_logprobs)
     for rows, mb in micro_batches(batch, cfg):
         batch.ref_logprobs[rows] = rollout_logprobs(reference, mb, cfg)[0]
-    scores = reward_fn(batch)  # (B,)
-    scores = scores - cfg.missing_eos_penalty * (~batch.ended).float()  # N+ detail: penalise runs cut off without EOS
-    batch.scores = masked_whiten(scores, torch.ones_like(scores)) if cfg.whiten_scores else scores
+    batch.raw_scores = reward_fn(batch)  # (B,)
+    batch.scores = batch.raw_scores - cfg.missing_eos_penalty * (~batch.ended).float()  # N+: penalise runs without EOS
 
 
 @torch.no_grad()
@@ -673,6 +736,8 @@ def score_trainer(batch: Rollout, policy, critic, cfg: Config, row_order=None, v
         batch.old_logprobs[rows] = rollout_logprobs(policy, mb, cfg)[0]
         batch.values[rows] = critic_values(critic, mb)
     mask = batch.response_mask.bool()
+    if cfg.whiten_scores:  # here, not in the producer: under torchrun it is a collective, which only this thread runs
+        batch.scores = masked_whiten(batch.scores, torch.ones_like(batch.scores))
     kl = torch.where(mask, kl_estimate(batch.old_logprobs, batch.ref_logprobs, cfg.kl_estimator), 0.0)  # (B, T)
     batch.rewards = per_token_rewards(batch.scores, kl, batch.response_mask, cfg.kl_coef)
     advantages, batch.returns = gae(batch.rewards, batch.values, batch.response_mask, cfg.gamma, cfg.lam)
@@ -744,20 +809,37 @@ def explained_variance(values, returns, mask):
 # update
 
 
+@contextlib.contextmanager
+def gradient_sync(models, enabled: bool):  # DDP / FSDP2: all-reduce gradients in this backward only when enabled
+    with contextlib.ExitStack() as stack:
+        for model in models:
+            if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+                model.set_requires_gradient_sync(enabled)
+            elif hasattr(model, "no_sync") and not enabled:  # DDP
+                stack.enter_context(model.no_sync())
+        yield
+
+
 def ppo_update(policy, critic, policy_opt, critic_opt, batch: Rollout, cfg: Config, row_orders):
     """ppo_epochs x minibatches optimizer steps on one rollout batch, each minibatch as micro-batches whose gradients
     accumulate (the losses are divided by the minibatch's token count, so accumulation gives the same token mean as
-    one big batch). row_orders[e] is epoch e's shuffled row order; epoch 0's is the one scoring used.
+    one big batch). row_orders[e] is epoch e's shuffled row order; epoch 0's is the one scoring used. Under torchrun
+    each rank updates on its own rows: the token count is the whole minibatch's over all ranks (divided by the world
+    size, since DDP averages the ranks' gradients) and gradients are all-reduced on the last micro-step only.
     Non-finite guard: a NaN/inf loss or gradient norm skips that optimizer step and the rest of the update (the steps
     already taken were finite and stand) and returns {"nonfinite": what and where}."""
     B = batch.response.shape[0]
     minibatch_size = B // cfg.minibatches
     micro = cfg.micro_batch_size or minibatch_size
     sums, n_steps, first_ratio_max_dev = {}, 0, torch.zeros(())
-    for epoch in range(cfg.ppo_epochs):
-        for minibatch, mb_rows in enumerate(row_orders[epoch].to(batch.response.device).split(minibatch_size)):
-            mb_tokens = batch.loss_mask[mb_rows].sum()
-            for rows in mb_rows.split(micro):
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    minibatches = [rows for order in row_orders[:cfg.ppo_epochs] for rows in order.to(batch.response.device).split(minibatch_size)]
+    tokens = all_reduce(torch.stack([batch.loss_mask[rows].sum() for rows in minibatches])) / world  # one collective
+    for i, mb_rows in enumerate(minibatches):
+        epoch, minibatch, mb_tokens = i // cfg.minibatches, i % cfg.minibatches, tokens[i]
+        micro_rows = mb_rows.split(micro)
+        for j, rows in enumerate(micro_rows):
+            with gradient_sync((policy, critic), enabled=j == len(micro_rows) - 1):
                 mb = batch.rows(rows)
                 logprobs, entropy = rollout_logprobs(policy, mb, cfg)
                 pg_loss, pg_stats = policy_loss(logprobs, mb.old_logprobs, mb.advantages, mb.loss_mask,
@@ -768,25 +850,28 @@ def ppo_update(policy, critic, policy_opt, critic_opt, batch: Rollout, cfg: Conf
                 vf_loss, vf_stats = value_loss(values, mb.values, mb.returns, mb.loss_mask, cfg.value_clip_range,
                                                mb_tokens)
                 vf_loss.backward()
-                ratio_max_dev = pg_stats.pop("ratio_max_dev")
-                if n_steps == 0:  # the first minibatch: the weights are the ones scoring used, so this must be 0
-                    first_ratio_max_dev = torch.maximum(first_ratio_max_dev, ratio_max_dev)
-                step_stats = {"pg_loss": pg_loss, "vf_loss": vf_loss, "entropy": entropy_mean, **pg_stats, **vf_stats}
-                for k, v in step_stats.items():  # micro-batch shares add up to minibatch means; .item() only at the end
-                    sums[k] = sums.get(k, 0.0) + v.detach()
-            norms = [torch.nn.utils.clip_grad_norm_(m.parameters(), cfg.max_grad_norm) for m in (policy, critic)]
-            finite = torch.isfinite(torch.stack([sums["pg_loss"], sums["vf_loss"], *norms])).tolist()  # one sync
-            if not all(finite):
-                policy_opt.zero_grad(set_to_none=True)
-                critic_opt.zero_grad(set_to_none=True)
-                what = [n for n, ok in zip(("policy loss", "value loss", "policy grad norm", "critic grad norm"), finite) if not ok]
-                return {"nonfinite": f"{', '.join(what)} at epoch {epoch + 1} minibatch {minibatch + 1} (after {n_steps} finite steps)"}
-            for name, norm in zip(("grad_norm", "critic_grad_norm"), norms):
-                sums[name] = sums.get(name, 0.0) + norm
-            for optimizer in (policy_opt, critic_opt):
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-            n_steps += 1
+            ratio_max_dev = pg_stats.pop("ratio_max_dev")
+            if n_steps == 0:  # the first minibatch: the weights are the ones scoring used, so this must be 0
+                first_ratio_max_dev = torch.maximum(first_ratio_max_dev, ratio_max_dev)
+            step_stats = {"pg_loss": pg_loss, "vf_loss": vf_loss, "entropy": entropy_mean, **pg_stats, **vf_stats}
+            for k, v in step_stats.items():  # micro-batch shares add up to minibatch means; .item() only at the end
+                sums[k] = sums.get(k, 0.0) + v.detach()
+        norms = [torch.nn.utils.clip_grad_norm_(m.parameters(), cfg.max_grad_norm) for m in (policy, critic)]
+        norms = [getattr(n, "full_tensor", lambda: n)() for n in norms]  # FSDP2 returns a DTensor
+        finite = torch.isfinite(torch.stack([sums["pg_loss"], sums["vf_loss"], *norms])).tolist()  # one sync
+        if any_rank(not all(finite), norms[0].device):
+            policy_opt.zero_grad(set_to_none=True)
+            critic_opt.zero_grad(set_to_none=True)
+            what = [n for n, ok in zip(("policy loss", "value loss", "policy grad norm", "critic grad norm"), finite)
+                    if not ok] or ["loss on another rank"]
+            return {"nonfinite": f"{', '.join(what)} at epoch {epoch + 1} minibatch {minibatch + 1} (after {n_steps} "
+                                 "finite steps)"}
+        for name, norm in zip(("grad_norm", "critic_grad_norm"), norms):
+            sums[name] = sums.get(name, 0.0) + norm
+        for optimizer in (policy_opt, critic_opt):
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        n_steps += 1
     return {**{k: float(v) / n_steps for k, v in sums.items()}, "first_ratio_max_dev": float(first_ratio_max_dev)}
 
 
@@ -906,17 +991,22 @@ class WeightSync:
     staging buffer of the sampler's dtype (one copy, with the cast, on the trainer's stream), pull() copies staging
     into the sampler's flat weights (one copy, on the sampler's stream) at the sampler's safe points. CUDA events order
     the two copies, so neither thread waits for the other's device work; the lock covers only the enqueueing. The
-    staging buffer lets the trainer keep updating while the sampler still generates with the previous version."""
+    staging buffer lets the trainer keep updating while the sampler still generates with the previous version.
+    sharded (FSDP2): the trainer's parameters are shards, so publish() all-gathers each one straight into its slice of
+    the staging buffer (a collective per tensor, never a full fp32 copy); the pull stays one copy."""
 
-    def __init__(self, policy, sampler):
-        self.trainer_flat, self.sampler_flat = flatten_parameters(policy), flatten_parameters(sampler)
+    def __init__(self, policy, sampler, sharded=False):
+        self.policy, self.sampler_flat = policy, flatten_parameters(sampler)
+        self.trainer_flat = None if sharded else flatten_parameters(policy)
         self.staging = self.sampler_flat.clone()
         self.cuda = self.sampler_flat.is_cuda
         self.lock = threading.Condition()
         self.version, self.sampler_version, self.seconds = 0, 0, {}  # seconds: each copy's last duration
         self.events = {}  # name -> (start, end) CUDA events of each copy, for ordering and device time
 
+    @torch.no_grad()
     def _copy(self, name: str, dst, src, after: str):  # dst <- src on the current stream, once `after` is done
+        # (src None: gather the trainer's sharded parameters into dst)
         t0 = time.perf_counter()
         if self.cuda:
             if name not in self.events:
@@ -925,14 +1015,20 @@ class WeightSync:
             if after in self.events:
                 torch.cuda.current_stream().wait_event(self.events[after][1])
             start.record()
-        dst.copy_(src)
+        if src is not None:
+            dst.copy_(src)
+        else:
+            offset = 0
+            for p in self.policy.parameters():
+                dst[offset:offset + p.numel()].copy_(getattr(p, "full_tensor", lambda: p)().reshape(-1))
+                offset += p.numel()
         if self.cuda:
             end.record()
         self.seconds[name] = time.perf_counter() - t0  # (CUDA: replaced by the device time in sync_ms)
 
     def reset(self, version: int):  # after a checkpoint was loaded into the trainer: the sampler starts from it
-        self.sampler_flat.copy_(self.trainer_flat)
-        self.version = self.sampler_version = version
+        self.publish(version)
+        self.pull()
 
     def publish(self, version: int):  # trainer thread, after the optimizer steps of an update
         with self.lock:
@@ -1066,32 +1162,42 @@ class Producer:
 
 
 class Logger:
-    """metrics.jsonl (one JSON object per line, flushed each time) and, only with --wandb-project, wandb."""
+    """metrics.jsonl (one JSON object per line, flushed each time) and, only with --wandb-project, wandb. Under
+    torchrun only rank 0's logger writes (enabled); the others' are no-ops, so the loop calls log() unconditionally."""
 
-    def __init__(self, cfg: Config, output_dir: str):
-        self.file = open(os.path.join(output_dir, "metrics.jsonl"), "a", encoding="utf-8")
+    def __init__(self, cfg: Config, output_dir: str, enabled=True):
+        self.file = open(os.path.join(output_dir, "metrics.jsonl"), "a", encoding="utf-8") if enabled else None
         self.wandb = None
-        if cfg.wandb_project:
+        if cfg.wandb_project and enabled:
             import wandb  # lazy: wandb is optional
             self.wandb = wandb.init(project=cfg.wandb_project, config=dataclasses.asdict(cfg))
 
     def log(self, record: dict):
+        if self.file is None:
+            return
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
         if self.wandb is not None:
             self.wandb.log(record, step=record["step"])
 
     def close(self):
-        self.file.close()
+        if self.file is not None:
+            self.file.close()
         if self.wandb is not None:
             self.wandb.finish()
 
 
-def prepare_output_dir(cfg: Config) -> str:
-    path = cfg.output_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
-    if not cfg.resume and (os.path.exists(os.path.join(path, "metrics.jsonl")) or checkpoints(path)):
-        raise SystemExit(f"--output-dir {path} already holds a run (metrics.jsonl, checkpoints); continue it with "
-                         "--resume, or choose another directory")
+def prepare_output_dir(cfg: Config, ctx: Dist) -> str:  # rank 0 decides (and dates) it; every rank gets its answer
+    path, error = cfg.output_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S")), None
+    if ctx.rank == 0 and not cfg.resume and (os.path.exists(os.path.join(path, "metrics.jsonl")) or checkpoints(path)):
+        error = (f"--output-dir {path} already holds a run (metrics.jsonl, checkpoints); continue it with --resume, "
+                 "or choose another directory")
+    if torch.distributed.is_initialized():
+        shared = [path, error]
+        torch.distributed.broadcast_object_list(shared, src=0)
+        path, error = shared
+    if error:
+        raise SystemExit(error)
     os.makedirs(path, exist_ok=True)
     return path
 
@@ -1102,14 +1208,32 @@ def write_json(obj, path: str):  # via a temporary file and a rename, so a crash
     os.replace(path + ".tmp", path)
 
 
-def save_policy(policy, tokenizer, path: str):
-    """save_pretrained + tokenizer into path, written beside it first and renamed into place."""
+def full_state(model, optimizer=None):
+    """The model's (with an optimizer: the optimizer's) state with every tensor whole, on the CPU: gathered from the
+    shards under FSDP2 (a collective: every rank calls it, rank 0 receives it), without DDP's "module." prefix."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=options) if optimizer is None else \
+        get_optimizer_state_dict(model, optimizer, options=options)
+
+
+def load_full_state(model, state: dict, optimizer=None):  # the inverse; under torchrun rank 0 reads, the others receive
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=torch.distributed.is_initialized())
+    if optimizer is None:
+        set_model_state_dict(model, state, options=options)
+    else:
+        set_optimizer_state_dict(model, optimizer, state, options=options)
+
+
+def save_policy(policy, tokenizer, path: str, state_dict: dict):
+    """save_pretrained(state_dict) + tokenizer into path, written beside it first and renamed into place."""
     from transformers.utils import logging
     logging.disable_progress_bar()  # no "Writing model shards" bar at every checkpoint
     tmp = path + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     # cloned: the trainer's parameters are views into one flat buffer, which safetensors would see as shared memory
-    policy.save_pretrained(tmp, state_dict={k: v.detach().clone() for k, v in policy.state_dict().items()})
+    policy.save_pretrained(tmp, state_dict={k: v.detach().clone() for k, v in state_dict.items()})
     tokenizer.save_pretrained(tmp)
     if os.path.exists(path):
         shutil.rmtree(path)
@@ -1132,19 +1256,27 @@ def find_checkpoint(path: str) -> str:  # --resume PATH: a checkpoint directory,
     return found[-1]
 
 
-def save_checkpoint(output_dir: str, step: int, policy, critic, tokenizer, state: dict, cfg: Config) -> str:
-    """checkpoints/step-N/: the actor as an HF model with its tokenizer (usable as --model), the critic, the
-    optimizer, scheduler and RNG states, the step and the config. Written into a hidden temporary directory, flushed
-    to disk, then renamed into place, so a kill at any moment leaves the older checkpoints whole; the newest
-    --keep-checkpoints are kept."""
+def save_checkpoint(output_dir: str, step: int, actor, critic, optimizers, tokenizer, state: dict, rank_state: dict,
+                    cfg: Config, ctx: Dist) -> str:
+    """checkpoints/step-N/: the actor as an HF model with its tokenizer (usable as --model), the critic, both
+    optimizers, the schedules, the step, every rank's generator states and the config. Every rank calls it (gathering
+    is collective); rank 0 writes into a hidden temporary directory, flushes it to disk, then renames it into place,
+    so a kill at any moment leaves the older checkpoints whole; the newest --keep-checkpoints are kept."""
     root = os.path.join(output_dir, "checkpoints")
     final, tmp = os.path.join(root, f"step-{step:08d}"), os.path.join(root, f".tmp-step-{step:08d}")
+    policy_state = {k.removeprefix("policy."): v for k, v in full_state(actor).items()}
+    critic_state, optimizer_states = full_state(critic), [full_state(m, o) for m, o in zip((actor, critic), optimizers)]
+    rank_state = {**rank_state, "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
+                  "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+    ranks = [rank_state] * ctx.world
+    if torch.distributed.is_initialized():
+        torch.distributed.all_gather_object(ranks, rank_state)
+    if ctx.rank > 0:
+        return final
     shutil.rmtree(tmp, ignore_errors=True)
-    save_policy(policy, tokenizer, os.path.join(tmp, "policy"))
-    torch.save(critic.state_dict(), os.path.join(tmp, "critic.pt"))
-    torch.save({**state, "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
-                "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
-               os.path.join(tmp, "trainer_state.pt"))
+    save_policy(actor_module(actor).policy, tokenizer, os.path.join(tmp, "policy"), policy_state)
+    torch.save(critic_state, os.path.join(tmp, "critic.pt"))
+    torch.save({**state, "optimizers": optimizer_states, "ranks": ranks}, os.path.join(tmp, "trainer_state.pt"))
     write_json(dataclasses.asdict(cfg), os.path.join(tmp, "config.json"))
     for directory, _, files in os.walk(tmp):  # on disk before the rename makes the checkpoint count
         for name in files:
@@ -1159,20 +1291,40 @@ def save_checkpoint(output_dir: str, step: int, policy, critic, tokenizer, state
     return final
 
 
-def load_checkpoint(path: str, policy, critic, optimizers, schedules) -> dict:
+def load_checkpoint(path: str, actor, critic, optimizers, schedules, ctx: Dist = Dist()) -> dict:
     """Load a save_checkpoint directory into the trainer's models, optimizers and schedules (in place: the policy's
-    parameters stay views of the packed buffer) and restore the global RNGs. Returns the trainer state."""
-    from transformers import AutoModelForCausalLM
-    policy.load_state_dict(AutoModelForCausalLM.from_pretrained(os.path.join(path, "policy"), dtype=torch.float32).state_dict())
-    critic.load_state_dict(torch.load(os.path.join(path, "critic.pt"), map_location=policy.device))
-    state = torch.load(os.path.join(path, "trainer_state.pt"), map_location="cpu")
-    for owner, saved in zip([*optimizers, *schedules], state["optimizers"] + state["schedules"]):
-        owner.load_state_dict(saved)
-    torch.set_rng_state(state["torch_rng"])
-    random.setstate(state["python_rng"])
-    if state["cuda_rng"]:
-        torch.cuda.set_rng_state_all(state["cuda_rng"])
-    return state
+    parameters stay views of the packed buffer) and restore this rank's RNGs. Returns the trainer state, with this
+    rank's generator states. Under torchrun rank 0 reads the files and the others receive them."""
+    read = lambda name: torch.load(os.path.join(path, name), map_location="cpu") if ctx.rank == 0 else {}
+    policy_state = {}
+    if ctx.rank == 0:
+        from transformers import AutoModelForCausalLM
+        saved = AutoModelForCausalLM.from_pretrained(os.path.join(path, "policy"), dtype=torch.float32)
+        policy_state = {f"policy.{k}": v for k, v in saved.state_dict().items()}
+    load_full_state(actor, policy_state)
+    load_full_state(critic, read("critic.pt"))
+    state = read("trainer_state.pt")
+    for model, optimizer, saved in zip((actor, critic), optimizers, state.get("optimizers", [{}, {}])):
+        load_full_state(model, saved, optimizer)
+    if torch.distributed.is_initialized():
+        shared = [{k: v for k, v in state.items() if k != "optimizers"}]
+        torch.distributed.broadcast_object_list(shared, src=0)
+        state = shared[0]
+    if len(state["ranks"]) != ctx.world:
+        raise SystemExit(f"--resume {path}: written by {len(state['ranks'])} ranks; resume with as many "
+                         f"(torchrun --nproc_per_node), not {ctx.world}")
+    for schedule, saved in zip(schedules, state["schedules"]):
+        schedule.load_state_dict(saved)
+    mine = state["ranks"][ctx.rank]
+    torch.set_rng_state(mine["torch_rng"])
+    random.setstate(mine["python_rng"])
+    if mine["cuda_rng"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(mine["cuda_rng"])
+    return {**state, **mine}
+
+
+def actor_module(model):  # the Actor inside DDP (FSDP2 keeps the module itself)
+    return getattr(model, "module", model)
 
 
 def restore_metrics(output_dir: str, step: int):
@@ -1219,10 +1371,11 @@ def format_line(r: dict, steps: int) -> str:
 # main
 
 
-def setup(cfg: Config):
+def setup(cfg: Config, ctx: Dist = Dist()):
     """Tokenizer, policy (warmed up for the demo), frozen reference, critic, reward function and prompts. Everything
     that can be checked cheaply (prompts, reward function, model paths, lengths) is, before the warm-up."""
-    device = torch.device(cfg.device if cfg.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
+    name = cfg.device if cfg.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(f"cuda:{ctx.local_rank}" if name == "cuda" else name)  # one GPU per local rank
     dtype = getattr(torch, cfg.dtype)
     torch.manual_seed(cfg.seed)
     prompt_texts = load_prompts(cfg.prompts) if cfg.prompts else None
@@ -1259,12 +1412,13 @@ def setup(cfg: Config):
         reward_model, rm_tokenizer = load_reward_model(cfg.reward_model, device, dtype)
         same_tokenizer = same_vocabulary(rm_tokenizer, tokenizer)
         run["reward_fn"] = lambda b: reward_model_scores(reward_model, rm_tokenizer, tokenizer, b, cfg.chat_template,
-                                                         cfg.micro_batch_size or cfg.batch_size // cfg.minibatches)
+                                                         cfg.micro_batch_size or cfg.batch_size // cfg.minibatches // ctx.world)
     else:
         demo_rule = not cfg.reward  # the demo's exact match includes the EOS: digits, then stop
         run["reward_fn"] = lambda b: call_reward_function(rule, b.prompts, b.completions, device) * (b.ended if demo_rule else 1)
     if not cfg.prompts:
-        demo_warmup(policy, tokenizer, train_pairs, cfg)
+        with rank_zero_first(ctx):  # rank 0 warms up and caches; the other ranks load its cache
+            demo_warmup(policy, tokenizer, train_pairs, cfg)
     run["reference"] = cast_parameters(copy.deepcopy(policy), dtype).requires_grad_(False)
     run["critic"] = build_critic(policy, reward_model, same_tokenizer)
     print(f"policy {sum(p.numel() for p in policy.parameters()) / 1e6:.2f}M parameters on {device}; critic from "
@@ -1282,32 +1436,67 @@ def make_optimizers(cfg: Config, policy, critic):
     return policy_opt, critic_opt, [torch.optim.lr_scheduler.LambdaLR(o, decay) for o in (policy_opt, critic_opt)]
 
 
-def train(cfg: Config, run, output_dir: str, threaded=None):
+def wrap_for_training(model, cfg: Config):
+    """Under torchrun: DDP (weights replicated, gradients all-reduced) or, with --fsdp, FSDP2 (each decoder layer and
+    then the whole model sharded over the ranks). Unwrapped in a single process."""
+    if not torch.distributed.is_initialized():
+        return model
+    if cfg.fsdp:
+        from torch.distributed.fsdp import fully_shard
+        layers = max((m for m in model.modules() if isinstance(m, nn.ModuleList)), key=len)  # the decoder layers
+        for layer in layers:
+            fully_shard(layer)
+        return fully_shard(model)
+    device = next(model.parameters()).device
+    return nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+def reduce_record(record: dict, world: int) -> dict:
+    """The logged scalars over all ranks: token counts and throughputs summed, maxima maxed, the rest averaged
+    (every rank holds the same number of rows, so row means average exactly; token means are averages of ranks')."""
+    if not torch.distributed.is_initialized():
+        return record
+    names = [k for k, v in record.items() if isinstance(v, (int, float)) and k != "step"]
+    maxed = [k for k in names if k.endswith("_max") or k in ("behav_prox_max_diff", "first_ratio_max_dev")]
+    for op, keys in (("sum", [k for k in names if k not in maxed]), ("max", maxed)):
+        values = all_reduce(torch.tensor([float(record[k]) for k in keys], dtype=torch.float64,
+                                         device="cuda" if torch.distributed.get_backend() == "nccl" else "cpu"), op)
+        for k, v in zip(keys, values.tolist()):
+            summed = op == "max" or k in ("response_tokens", "tokens_dropped") or k.endswith("tokens_per_s")
+            record[k] = v if summed else v / world
+    return record
+
+
+def train(cfg: Config, run, output_dir: str, threaded=None, ctx: Dist = Dist()):
     """The loop: the producer samples and scores with the frozen models, the trainer scores with the current weights
     and updates. threaded=None: a sampler thread when --max-staleness > 0 or --inflight-updates, else inline (plain
     synchronous PPO; the thread at staleness 0 gives the same result to the bit, only later). With --resume the run
     continues from a checkpoint: at --max-staleness 0 to the same final weights as an uninterrupted run, since the
     prompt order, the sampling and shuffling generators, the optimizers and the schedules all resume exactly (with a
     sampler ahead, which weights a batch sees depends on timing anyway)."""
-    policy, critic, tokenizer, device = run.policy, run.critic, run.tokenizer, run.policy.device
+    policy, tokenizer, device = run.policy, run.tokenizer, run.policy.device
     sampler_dtype = torch.bfloat16 if device.type == "cuda" else policy.dtype  # inference copy: bf16 on GPU
     sampler = cast_parameters(copy.deepcopy(policy), sampler_dtype).requires_grad_(False)
-    sync = WeightSync(policy, sampler)  # after this, policy's parameters live in one flat buffer
-    policy_opt, critic_opt, schedules = make_optimizers(cfg, policy, critic)
-    sample_generator = torch.Generator(device).manual_seed(cfg.seed)
+    sync = WeightSync(policy, sampler, sharded=cfg.fsdp and torch.distributed.is_initialized())  # packs the weights
+    actor, critic = wrap_for_training(Actor(policy, cfg.temperature, cfg.full_logits), cfg), wrap_for_training(run.critic, cfg)
+    policy_opt, critic_opt, schedules = make_optimizers(cfg, actor, critic)
+    # the same prompt order on every rank, each taking its slice; sampling differs per rank (a seed offset)
+    rank_rows = slice(ctx.rank * cfg.batch_size // ctx.world, (ctx.rank + 1) * cfg.batch_size // ctx.world)
+    sample_generator = torch.Generator(device).manual_seed(cfg.seed + 1_000_003 * ctx.rank)
     shuffle_generator = torch.Generator().manual_seed(cfg.seed + 1)
-    eval_seed = cfg.seed + 2
+    eval_seed, eval_model = cfg.seed + 2, sampler if cfg.fsdp else policy  # FSDP2: evaluate the sampler's full copy
     start, history, first_accuracy, last_checkpoint, elapsed = 0, [], None, None, 0.0
     if cfg.resume:
-        state = load_checkpoint(cfg.resume, policy, critic, (policy_opt, critic_opt), schedules)
+        state = load_checkpoint(cfg.resume, actor, critic, (policy_opt, critic_opt), schedules, ctx)
         start, first_accuracy, elapsed, last_checkpoint = state["step"], state["first_accuracy"], state["time_s"], cfg.resume
         sample_generator.set_state(state["sampler_rng"])
         shuffle_generator.set_state(state["shuffle_rng"])
-        sync.reset(start)  # the sampler starts from the checkpoint's weights, as its policy version
-        history = restore_metrics(output_dir, start)
+        history = restore_metrics(output_dir, start) if ctx.rank == 0 else []
         print(f"resumed from {cfg.resume} after iteration {start}/{cfg.steps}")
-    write_json(dataclasses.asdict(cfg), os.path.join(output_dir, "config.json"))  # the config actually used
-    logger, tracer = Logger(cfg, output_dir), Tracer(cfg.trace)
+    sync.reset(start)  # the sampler starts from the trainer's weights, as policy version `start`
+    if ctx.rank == 0:
+        write_json(dataclasses.asdict(cfg), os.path.join(output_dir, "config.json"))  # the config actually used
+    logger, tracer = Logger(cfg, output_dir, enabled=ctx.rank == 0), Tracer(cfg.trace if ctx.rank == 0 else "")
     order = prompt_order(len(run.prompt_ids), cfg.seed, start=start * cfg.batch_size)
 
     def make_batch(i, stop):  # the producer: sample batch i, score it with the frozen models
@@ -1318,7 +1507,7 @@ def train(cfg: Config, run, output_dir: str, threaded=None):
 
         with tracer.span("generate", "sampler"):
             t0, version = time.perf_counter(), sync.pull()
-            rows = [next(order) for _ in range(cfg.batch_size)]
+            rows = [next(order) for _ in range(cfg.batch_size)][rank_rows]
             ids, mask = left_pad([run.prompt_ids[r] for r in rows], tokenizer.pad_token_id, device)
             batch = generate(sampler, ids, mask, max_new_tokens=cfg.response_length, temperature=cfg.temperature,
                              eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, generator=sample_generator,
@@ -1334,9 +1523,9 @@ def train(cfg: Config, run, output_dir: str, threaded=None):
 
     def checkpoint(step, batch):
         state = {"step": step, "first_accuracy": first_accuracy, "time_s": time.time() - t_start,
-                 "sampler_rng": batch.sampler_rng, "shuffle_rng": shuffle_generator.get_state(),
-                 "optimizers": [policy_opt.state_dict(), critic_opt.state_dict()], "schedules": [s.state_dict() for s in schedules]}
-        path = save_checkpoint(output_dir, step, policy, critic, tokenizer, state, cfg)
+                 "shuffle_rng": shuffle_generator.get_state(), "schedules": [s.state_dict() for s in schedules]}
+        path = save_checkpoint(output_dir, step, actor, critic, (policy_opt, critic_opt), tokenizer, state,
+                               {"sampler_rng": batch.sampler_rng}, cfg, ctx)
         print(f"checkpoint: {path}", flush=True)
         return path
 
@@ -1353,8 +1542,8 @@ def train(cfg: Config, run, output_dir: str, threaded=None):
     threaded = (cfg.max_staleness > 0 or cfg.inflight_updates) if threaded is None else threaded
     producer, bad_steps = None, 0
     try:
-        if run.eval_ids is not None and not cfg.resume:
-            first_accuracy = evaluate(policy, tokenizer, run.eval_ids, run.eval_texts, cfg, eval_seed)
+        if run.eval_ids is not None and not cfg.resume and ctx.rank == 0:
+            first_accuracy = evaluate(eval_model, tokenizer, run.eval_ids, run.eval_texts, cfg, eval_seed)
             logger.log({"step": 0, "eval_accuracy": first_accuracy, "time_s": 0.0})
             print(f"held-out sampled accuracy before PPO: {first_accuracy:.3f}")
         producer = Producer(make_batch, sync, tracer, cfg.max_staleness, start, cfg.steps, threaded)
@@ -1364,13 +1553,18 @@ def train(cfg: Config, run, output_dir: str, threaded=None):
         for step in range(start + 1, cfg.steps + 1):
             batch = producer.get()
             with tracer.span("score: old log-probs, values", "trainer"):
-                row_orders = [torch.randperm(cfg.batch_size, generator=shuffle_generator) for _ in range(cfg.ppo_epochs)]
-                kl = score_trainer(batch, policy, critic, cfg, row_orders[0], version=step - 1)
+                B = batch.response.shape[0]  # this rank's rows
+                row_orders = [torch.randperm(B, generator=shuffle_generator) for _ in range(cfg.ppo_epochs)]
+                kl = score_trainer(batch, actor, critic, cfg, row_orders[0], version=step - 1)
+                for model in (actor, critic):  # FSDP2: a no-grad forward leaves the root's weights gathered
+                    getattr(model, "reshard", lambda: None)()
                 problem = nonfinite(batch)
+                if any_rank(problem is not None, device):  # a decision all ranks take together
+                    problem = problem or "values on another rank"
             with tracer.span("update", "trainer"):
                 t_update = time.time()
                 lr = schedules[0].get_last_lr()[0]  # the learning rate this update uses
-                stats = ppo_update(policy, critic, policy_opt, critic_opt, batch, cfg, row_orders) if problem is None else {}
+                stats = ppo_update(actor, critic, policy_opt, critic_opt, batch, cfg, row_orders) if problem is None else {}
                 problem = problem or stats.get("nonfinite")
                 for schedule in schedules:
                     schedule.step()
@@ -1389,12 +1583,12 @@ def train(cfg: Config, run, output_dir: str, threaded=None):
             else:
                 bad_steps = 0
                 accuracy = None
-                if run.eval_ids is not None and (step % cfg.eval_every == 0 or step == cfg.steps):
+                if run.eval_ids is not None and (step % cfg.eval_every == 0 or step == cfg.steps) and ctx.rank == 0:
                     with tracer.span("evaluate", "trainer"):
-                        accuracy = evaluate(policy, tokenizer, run.eval_ids, run.eval_texts, cfg, eval_seed)
+                        accuracy = evaluate(eval_model, tokenizer, run.eval_ids, run.eval_texts, cfg, eval_seed)
                 now = time.time()
-                record = iteration_record(step, batch, kl, stats, cfg, now - window, batch.gen_s, update_s,
-                                          tracer.take(), sync_ms, lr)
+                record = reduce_record(iteration_record(step, batch, kl, stats, cfg, now - window, batch.gen_s, update_s,
+                                                        tracer.take(), sync_ms, lr), ctx.world)
                 window = now
                 if accuracy is not None:
                     record["eval_accuracy"] = accuracy
@@ -1407,8 +1601,9 @@ def train(cfg: Config, run, output_dir: str, threaded=None):
                         print(f"    {p!r} -> {c!r}  (score {s:.2f})")
                 if cfg.save_every and (step % cfg.save_every == 0 or step == cfg.steps):
                     last_checkpoint = checkpoint(step, batch)
-            if stop_signal:
+            if any_rank(bool(stop_signal), device):  # every rank stops after the same iteration
                 last_checkpoint = checkpoint(step, batch)
+                stop_signal = stop_signal or ["a signal to another rank"]
                 print(f"stopped by {stop_signal[0]} after iteration {step}/{cfg.steps}; continue with: "
                       f"python ppo_tokens.py --resume {last_checkpoint}")
                 return history
@@ -1419,7 +1614,15 @@ def train(cfg: Config, run, output_dir: str, threaded=None):
             signal.signal(s, handler)
         tracer.write()
         logger.close()
-    save_policy(policy, tokenizer, os.path.join(output_dir, "policy"))
+    policy_state = {k.removeprefix("policy."): v for k, v in full_state(actor).items()}
+    if ctx.rank == 0:
+        save_policy(policy, tokenizer, os.path.join(output_dir, "policy"), policy_state)
+    if torch.distributed.is_initialized():  # DDP must keep the ranks' weights identical: check it, bit for bit
+        digests = [None] * ctx.world
+        torch.distributed.all_gather_object(digests, hashlib.sha256(sync.staging.float().cpu().numpy().tobytes()).hexdigest()[:16])
+        print(f"actor weights (sha256 of the gathered weights) on each rank: {' '.join(digests)}")
+        if len(set(digests)) > 1:
+            raise SystemExit(f"the ranks' actor weights differ ({digests}); the data-parallel update is broken")
     summarize(history, first_accuracy, output_dir)
     return history
 
@@ -1427,12 +1630,11 @@ def train(cfg: Config, run, output_dir: str, threaded=None):
 def iteration_record(step, batch: Rollout, kl, stats, cfg: Config, iter_s, gen_s, update_s, busy, sync_ms, lr):
     response_tokens = int(batch.response_mask.sum())
     sequence_tokens = response_tokens + int(batch.prompt_mask.sum())
-    raw_scores = batch.scores + cfg.missing_eos_penalty * (~batch.ended).float()  # before the penalty
     trainer_busy, sampler_busy = busy.get("trainer_busy_s", 0.0), busy.get("sampler_busy_s", 0.0)
-    return {"step": step, "reward_mean": float(batch.scores.mean() if cfg.whiten_scores else raw_scores.mean()),
+    return {"step": step, "reward_mean": float(batch.raw_scores.mean()),
             "kl": float(kl.sum(-1).mean()), "kl_per_token": float(masked_mean(kl, batch.response_mask)), **stats,
             "explained_variance": float(explained_variance(batch.values, batch.returns, batch.response_mask)),
-            "response_length": response_tokens / cfg.batch_size, "response_tokens": response_tokens,
+            "response_length": response_tokens / batch.response.shape[0], "response_tokens": response_tokens,
             "eos_fraction": float(batch.ended.float().mean()), "lr": lr, **batch.correction,
             "iter_s": iter_s, "gen_tokens_per_s": response_tokens / gen_s,
             "train_tokens_per_s": cfg.ppo_epochs * sequence_tokens / update_s,
@@ -1478,10 +1680,15 @@ def bench_overlap(cfg: Config, output_dir: str):
 
 def main(argv=None):
     cfg = parse_config(argv)
-    output_dir = prepare_output_dir(cfg)
-    if cfg.bench_overlap:
-        return bench_overlap(cfg, output_dir)
-    train(cfg, setup(cfg), output_dir)
+    ctx = init_distributed(cfg)
+    try:
+        output_dir = prepare_output_dir(cfg, ctx)
+        if cfg.bench_overlap:
+            return bench_overlap(cfg, output_dir)
+        train(cfg, setup(cfg, ctx), output_dir, ctx=ctx)
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -1010,9 +1010,9 @@ def load_into_fresh_models(checkpoint):  # what --resume does, into models built
     cfg = pt.Config(**json.load(open(os.path.join(checkpoint, "config.json"))))
     tokenizer = pt.build_demo_tokenizer()
     policy = pt.build_demo_policy(tokenizer, 0, cfg.demo_hidden, cfg.demo_layers)
-    critic = pt.build_critic(policy)
-    policy_opt, critic_opt, schedules = pt.make_optimizers(cfg, policy, critic)
-    state = pt.load_checkpoint(checkpoint, policy, critic, (policy_opt, critic_opt), schedules)
+    critic, actor = pt.build_critic(policy), pt.Actor(policy, cfg.temperature)
+    policy_opt, critic_opt, schedules = pt.make_optimizers(cfg, actor, critic)
+    state = pt.load_checkpoint(checkpoint, actor, critic, (policy_opt, critic_opt), schedules)
     assert all(torch.isfinite(p).all() for p in [*policy.parameters(), *critic.parameters()])
     assert schedules[0].last_epoch == state["step"] and len(policy_opt.state) > 0
     return state
@@ -1152,3 +1152,93 @@ def test_bad_input_is_refused_with_one_clear_line(tmp_path, capsys, monkeypatch,
     assert code == 2 and "--lr 0.1 differs from the checkpoint's 0.003; drop the flag or start a new run" in err
     ids = pt.format_prompts(tokenizer, ["1" * 70, "12"], False, 30)
     assert [len(x) for x in ids] == [30, 3] and "1 of 2 prompts are longer than --max-prompt-length 30" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# torchrun: data-parallel PPO over processes (gloo on CPU)
+
+
+def torchrun(args, cwd, nproc=2, timeout=300, check=True):
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                           *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
+    assert not check or proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def digests(out):  # the per-rank checksums of the actor weights the run prints at its end
+    (line,) = [l for l in out.splitlines() if l.startswith("actor weights (sha256")]
+    return line.split(": ")[1].split()
+
+
+def first_iteration(world: int, rank: int):
+    """One scoring pass and one PPO update (SGD, 1 minibatch of 2-row micro-batches) on this rank's share of a fixed
+    batch of 8 rollouts, with DDP under torchrun. Returns (all-rank advantages, reduced stats, actor weights)."""
+    tokenizer, cfg = pt.build_demo_tokenizer(), pt.Config(batch_size=8, minibatches=1, ppo_epochs=1, response_length=4,
+                                                          micro_batch_size=2, whiten_scores=True)
+    policy = tiny_llama(len(tokenizer), seed=4, dtype=torch.float32)
+    reference = tiny_llama(len(tokenizer), seed=5, dtype=torch.float32).requires_grad_(False)
+    texts = [f"{a}+{b}=" for a, b in [(1, 2), (37, 45), (9, 90), (5, 5), (12, 3), (0, 0), (99, 99), (50, 7)]]
+    batch = demo_rollout(tokenizer, policy, texts).rows(torch.arange(rank * 8 // world, (rank + 1) * 8 // world))
+    actor, critic = (pt.wrap_for_training(m, cfg) for m in (pt.Actor(policy, 1.0), pt.build_critic(policy)))
+    pt.score_frozen(batch, reference, lambda b: (b.response % 3 == 0).float().sum(-1), cfg)
+    pt.score_trainer(batch, actor, critic, cfg, torch.arange(8 // world))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (actor, critic)]
+    stats = pt.reduce_record(pt.ppo_update(actor, critic, *opts, batch, cfg, [torch.arange(8 // world)]), world)
+    advantages = [torch.zeros_like(batch.advantages) for _ in range(world)]
+    if world > 1:
+        torch.distributed.all_gather(advantages, batch.advantages)
+    return torch.cat(advantages if world > 1 else [batch.advantages]), stats, [p.detach() for p in policy.parameters()]
+
+
+def test_whitening_and_the_first_update_do_not_depend_on_the_world_size(tmp_path):
+    torchrun([os.path.abspath(__file__), str(tmp_path / "world2.pt")], tmp_path)
+    advantages, stats, weights = first_iteration(1, 0)
+    two = torch.load(tmp_path / "world2.pt")
+    torch.testing.assert_close(two["advantages"], advantages, rtol=1e-5, atol=1e-6)  # whitened over both ranks
+    assert abs(float(two["advantages"][:4][two["advantages"][:4] != 0].mean())) > 1e-3  # not whitened per rank
+    for key in ("pg_loss", "vf_loss", "entropy", "clipfrac", "approx_kl", "grad_norm", "critic_grad_norm"):
+        assert math.isclose(two["stats"][key], stats[key], rel_tol=1e-4, abs_tol=1e-6), (key, two["stats"][key], stats[key])
+    for a, b in zip(two["weights"], weights):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_torchrun_two_ranks_ddp_and_fsdp2_train_resume_and_stay_identical(tmp_path):
+    write_reward_module(tmp_path)
+    args = [SCRIPT, *LOOP, "--steps", "3", "--micro-batch-size", "4", "--save-every", "2"]
+    out = torchrun([*args, "--output-dir", str(tmp_path / "ddp")], tmp_path).stdout
+    first, second = digests(out)
+    assert first == second and out.count("it    3/3") == 1  # one rank prints
+    assert [r["step"] for r in read_metrics(tmp_path / "ddp")] == [0, 1, 2, 3]
+    assert sorted(p.name for p in tmp_path.rglob("metrics.jsonl")) == ["metrics.jsonl"]  # written once, by rank 0
+    check_outputs(tmp_path / "ddp", 3)
+    out = torchrun([*args, "--fsdp", "--output-dir", str(tmp_path / "fsdp")], tmp_path).stdout
+    fsdp = digests(out)
+    assert fsdp[0] == fsdp[1]
+    resumed = torchrun([SCRIPT, "--resume", str(pt.checkpoints(tmp_path / "fsdp")[0])], tmp_path).stdout
+    assert "step-00000002 after iteration 2/3" in resumed and digests(resumed) == fsdp  # the same final weights
+    (tmp_path / "rank_one_fails.py").write_text("import os\ndef score(prompts, completions):\n"
+                                               "    if os.environ['RANK'] == '1':\n"
+                                               "        raise RuntimeError('reward server unreachable from rank 1')\n"
+                                               "    return [0.0] * len(completions)\n")
+    failed = torchrun([*[a if a != "count_ones:score" else "rank_one_fails:score" for a in args], "--output-dir",
+                       str(tmp_path / "fails")], tmp_path, timeout=120, check=False)
+    assert failed.returncode != 0 and "reward server unreachable from rank 1" in failed.stdout + failed.stderr
+
+
+def test_batch_sizes_are_checked_against_the_world_size(monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(SystemExit):
+        pt.parse_config(["--batch-size", "24", "--minibatches", "4"])
+    assert "--batch-size 24 must be divisible by --minibatches 4 x 4 ranks (torchrun's WORLD_SIZE)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        pt.parse_config(["--batch-size", "32", "--minibatches", "2", "--micro-batch-size", "3"])
+    assert "the minibatch size per rank (--batch-size 32 / --minibatches 2 x 4 ranks" in capsys.readouterr().err
+
+
+if __name__ == "__main__":  # torchrun test_ppo_tokens.py OUT: the two-rank half of the world-size test above
+    ctx = pt.init_distributed(pt.Config(device="cpu"))
+    advantages, stats, weights = first_iteration(ctx.world, ctx.rank)
+    if ctx.rank == 0:
+        torch.save({"advantages": advantages, "stats": stats, "weights": weights}, sys.argv[1])
+    torch.distributed.destroy_process_group()
