@@ -8,9 +8,11 @@ objective updates the policy and the critic over a few epochs of minibatches. It
 Details of RLHF with PPO" (Huang et al., 2024) and TRL's PPOTrainer where they agree, and says so where it differs.
 
 With --max-staleness k > 0 a sampler copy of the policy generates ahead of the trainer in its own thread (and CUDA
-stream), at most k policy versions behind, and the decoupled PPO objective corrects for the staleness.
-Deliberately left out (for now): multi-GPU (torchrun), checkpoint/resume, packed (padding-free) training, CUDA-graph
-decoding, bf16 autocast for training (policy and critic train in fp32; the sampler copy is bf16 on GPU).
+stream), at most k policy versions behind, and the decoupled PPO objective corrects for the staleness. Under torchrun
+every rank samples its slice of each batch and the actor and critic train data-parallel (DDP, or FSDP2 with --fsdp).
+--save-every / --resume checkpoint and continue a run exactly; SIGINT/SIGTERM checkpoint and exit 0.
+Deliberately left out (for now): packed (padding-free) training, CUDA-graph decoding, bf16 autocast for training
+(policy and critic train in fp32; the sampler copy is bf16 on GPU).
 
 Run it:
     python ppo_tokens.py                                    # built-in CPU demo: a 0.6M-parameter Llama learns addition
@@ -18,11 +20,14 @@ Run it:
         --reward-model ./my_rm --response-length 256 --batch-size 64 --micro-batch-size 8 --lr 1e-6 --critic-lr 1e-5
     python ppo_tokens.py --model ./my_policy --prompts prompts.jsonl --reward my_rewards:score --lr 1e-6
     python ppo_tokens.py --max-staleness 1                  # the overlapped loop: sample batch i+1 while training on i
+    torchrun --standalone --nproc_per_node 8 ppo_tokens.py --model ... # one node, 8 GPUs (--fsdp to shard)
+    torchrun --nnodes 2 --nproc_per_node 8 --rdzv-id JOB --rdzv-backend c10d --rdzv-endpoint HOST:PORT ppo_tokens.py ...
+    python ppo_tokens.py --resume runs/X                    # continue a run from its newest checkpoint
     python ppo_tokens.py --help                             # every flag with its comment
 The numbers quoted in README.md come from the commands listed there, on the machines named there.
 """
-import argparse, contextlib, copy, dataclasses, hashlib, importlib, inspect, itertools, json, math, os, queue, random
-import shutil, signal, sys, threading, time
+import argparse, collections, contextlib, copy, dataclasses, hashlib, importlib, inspect, itertools, json, math, os
+import queue, random, shutil, signal, sys, threading, time
 from dataclasses import dataclass, field
 
 import torch
@@ -82,8 +87,7 @@ class Config:
     trace: str = arg("", "write a Chrome trace (chrome://tracing, ui.perfetto.dev) of sampler and trainer to this file")
     bench_overlap: bool = arg(False, "benchmark: run --steps iterations at --max-staleness 0, 1 and 2, print a table")
     full_logits: bool = arg(False, "compute log-probs from full [tokens, vocab] logits instead of the fused lm_head path")
-    fsdp: bool = arg(False, "under torchrun: shard the actor's and critic's weights, grads and optimizer states over the "
-                     "ranks (FSDP2) instead of replicating them (DDP); the sampler stays a full copy per rank")
+    fsdp: bool = arg(False, "torchrun: shard actor/critic weights, grads, Adam states (FSDP2), not replicate (DDP)")
     # the built-in demo
     demo_warmup_max_steps: int = arg(1500, "cap on supervised warm-up steps before PPO (0 = no warm-up)")
     demo_warmup_target: float = arg(0.20, "warm-up stops once sampled accuracy on 256 training prompts reaches this")
@@ -95,13 +99,12 @@ class Config:
     eval_size: int = arg(1000, "held-out prompts per evaluation (demo only)")
     sample_every: int = arg(50, "print a few sample completions every this many iterations (0 = never)")
     # checkpoints and failures
-    save_every: int = arg(0, "write a checkpoint every this many iterations (0 = only at the end and on SIGINT/SIGTERM)")
+    save_every: int = arg(0, "write a checkpoint every this many iterations and after the last (0 = only on SIGINT/SIGTERM)")
     keep_checkpoints: int = arg(2, "keep the newest this many checkpoints in --output-dir/checkpoints, delete older ones")
     resume: str = arg("", "'--resume': continue from the newest whole checkpoint in --output-dir; '--resume PATH': from "
                       "that checkpoint or run directory (its config is used; flags that change the run are refused)")
     max_bad_steps: int = arg(3, "stop after this many consecutive updates skipped for non-finite rewards, losses or grads")
-    long_prompts: str = arg("truncate", "prompts over --max-prompt-length tokens: 'truncate' (keep the last tokens, "
-                            "counted warning) or 'refuse'")
+    long_prompts: str = arg("truncate", "prompts over --max-prompt-length: 'truncate' (keep the last tokens) or 'refuse'")
     # run
     seed: int = arg(1, "seeds model init, sampling, data order and minibatch shuffling")
     device: str = arg("auto", "'auto' (cuda if available), 'cpu', 'cuda' or 'cuda:N'")
@@ -112,18 +115,15 @@ class Config:
 
 # flags a resumed run may change; every other flag must match the checkpoint's config (or be left out)
 RUN_ONLY = ("resume", "output_dir", "save_every", "keep_checkpoints", "max_bad_steps", "trace", "wandb_project",
-            "sample_every", "device")
+            "sample_every", "fsdp")
 
 
 def parse_config(argv=None) -> Config:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for f in dataclasses.fields(Config):
-        flag, kind = "--" + f.name.replace("_", "-"), type(f.default)
-        if kind is bool:
-            parser.add_argument(flag, default=f.default, action=argparse.BooleanOptionalAction, help=f.metadata["help"])
-        else:  # a bare --resume means "the newest checkpoint of --output-dir"
-            parser.add_argument(flag, default=f.default, type=kind, help=f.metadata["help"],
-                                **({"nargs": "?", "const": "latest"} if f.name == "resume" else {}))
+        kind = {"action": argparse.BooleanOptionalAction} if type(f.default) is bool else {"type": type(f.default)}
+        bare = {"nargs": "?", "const": "latest"} if f.name == "resume" else {}  # bare --resume: --output-dir's newest
+        parser.add_argument("--" + f.name.replace("_", "-"), default=f.default, help=f.metadata["help"], **kind, **bare)
     args = vars(parser.parse_args(argv))
     try:
         if args["resume"]:  # the checkpoint's config becomes the defaults, so `--resume PATH` alone continues the run
@@ -146,8 +146,9 @@ def parse_config(argv=None) -> Config:
 
 def check_config(cfg: Config):
     """Resolve the derived values and check every size once, with errors that name the flags to change."""
+    demo = not cfg.model and not cfg.prompts
     if cfg.response_length == 0:
-        cfg.response_length = 4 if is_demo(cfg) else 128
+        cfg.response_length = 4 if demo else 128
     world = int(os.environ.get("WORLD_SIZE", "1"))  # under torchrun --batch-size is global; each rank takes 1/world
     ranks = f" x {world} ranks (torchrun's WORLD_SIZE)" if world > 1 else ""
     minibatch_size = cfg.batch_size // max(1, cfg.minibatches * world)  # per rank
@@ -158,7 +159,7 @@ def check_config(cfg: Config):
               (cfg.kl_estimator in ("k1", "k3"), f"--kl-estimator must be k1 or k3 (got {cfg.kl_estimator!r})"),
               (cfg.dtype in ("float32", "bfloat16"), f"--dtype must be float32 or bfloat16 (got {cfg.dtype!r})"),
               (not (cfg.reward and cfg.reward_model), "give either --reward or --reward-model, not both"),
-              (is_demo(cfg) or cfg.reward or cfg.reward_model,
+              (demo or cfg.reward or cfg.reward_model,
                "--model/--prompts need a reward: pass --reward module:function or --reward-model DIR"),
               (not cfg.model or cfg.prompts, "--model needs --prompts FILE.jsonl (the demo prompts fit the demo only)"),
               (0 < cfg.top_p <= 1 and cfg.top_k >= 0, "--top-p must be in (0, 1] and --top-k >= 0"),
@@ -166,6 +167,8 @@ def check_config(cfg: Config):
               (not cfg.prompts or os.path.isfile(cfg.prompts), f"--prompts {cfg.prompts}: no such file"),
               (not cfg.reward_model or os.path.isdir(cfg.reward_model), f"--reward-model {cfg.reward_model}: no such directory"),
               (cfg.save_every >= 0, f"--save-every must be >= 0 (got {cfg.save_every})"),
+              (not cfg.bench_overlap or world == 1, "--bench-overlap runs in one process; start it with python, not torchrun"),
+              (not demo or 1 <= cfg.eval_size <= 5000, f"--eval-size must be in 1..5000 (got {cfg.eval_size})"),
               (not cfg.device.startswith("cuda") or torch.cuda.is_available(),
                f"--device {cfg.device}: CUDA is not available here; use --device cpu")]
     checks += [(getattr(cfg, n) >= 1, f"--{n.replace('_', '-')} must be >= 1 (got {getattr(cfg, n)})")
@@ -181,21 +184,13 @@ def check_config(cfg: Config):
             raise ValueError(message)
 
 
-def is_demo(cfg: Config) -> bool:
-    return not cfg.model and not cfg.prompts
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # distributed set-up: torchrun sets RANK, LOCAL_RANK and WORLD_SIZE; without them this is a single process. Each rank
 # samples and scores its own shard of every batch with its own sampler; the actor and critic train data-parallel
 # (DDP, or FSDP2 with --fsdp); whitening statistics and logged scalars are reduced over all ranks.
 
 
-@dataclass
-class Dist:
-    rank: int = 0
-    local_rank: int = 0
-    world: int = 1
+Dist = collections.namedtuple("Dist", "rank local_rank world", defaults=(0, 0, 1))  # this process's place in the job
 
 
 def init_distributed(cfg: Config) -> Dist:
@@ -219,15 +214,6 @@ def all_reduce(t, op="sum"):  # t reduced over all ranks, in place; the identity
 
 def any_rank(flag: bool, device) -> bool:  # a decision every rank must take together (skip an update, stop)
     return bool(all_reduce(torch.tensor([float(flag)], device=device), "max"))
-
-
-@contextlib.contextmanager
-def rank_zero_first(ctx: Dist):  # rank 0 runs the block first (filling a cache); the others then run it, reading it
-    if ctx.rank > 0:
-        torch.distributed.barrier()
-    yield
-    if ctx.rank == 0 and ctx.world > 1:
-        torch.distributed.barrier()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -337,24 +323,6 @@ def build_critic(policy, reward_model=None, same_tokenizer=False):
     return ScalarHeadModel(backbone, head).to(torch.float32).requires_grad_(True).eval()
 
 
-def cache_kwargs(model, cache):
-    """The KV-cache arguments of model.forward: transformers 5.24 renamed past_key_values to cache; and only the last
-    position's logits are needed when sampling (a prefill would otherwise hold (B, P, V) logits)."""
-    params = inspect.signature(model.forward).parameters
-    kwargs = {"cache" if "cache" in params else "past_key_values": cache, "use_cache": True}
-    return {**kwargs, "logits_to_keep": 1} if "logits_to_keep" in params else kwargs
-
-
-def fused_head(model):
-    """(backbone, lm_head weight) when logits are exactly hidden @ W.T, so kernels.linear_token_logprobs can compute
-    token log-probs without holding the [tokens, vocab] logits; None for models that post-process their logits."""
-    head, config = getattr(model, "lm_head", None), getattr(model, "config", None)
-    post = ("final_logit_softcapping", "logit_scale", "logits_scaling")  # Gemma 2, Cohere, Granite rescale logits
-    if not isinstance(head, nn.Linear) or head.bias is not None or any(getattr(config, k, None) not in (None, 1.0) for k in post):
-        return None
-    return backbone_of(model), head.weight
-
-
 def sequence_logprobs(model, input_ids, attention_mask, position_ids, response, response_mask, temperature,
                       kept_ids=None, full_logits=False):
     """THE token log-prob function: log pi(response_t | context) under temperature, and the entropy, for the response
@@ -362,12 +330,14 @@ def sequence_logprobs(model, input_ids, attention_mask, position_ids, response, 
     response token t. Returns (logprobs, entropy), each (B, T) float32 and exactly 0 on masked (pad) tokens."""
     P = input_ids.shape[1] - response.shape[1]
     mask = response_mask.bool()
-    fused = None if full_logits else fused_head(model)
-    if fused is not None:
-        backbone, weight = fused
-        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+    # fused path when logits are exactly hidden @ W.T: kernels.linear_token_logprobs never holds the [tokens, vocab]
+    # logits. Not for models that post-process their logits (Gemma 2, Cohere, Granite rescale them).
+    head, post = getattr(model, "lm_head", None), ("final_logit_softcapping", "logit_scale", "logits_scaling")
+    if not full_logits and isinstance(head, nn.Linear) and head.bias is None and \
+            all(getattr(getattr(model, "config", None), k, None) in (None, 1.0) for k in post):
+        hidden = backbone_of(model)(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                           use_cache=False).last_hidden_state[:, P - 1:-1]  # (B, T, H)
-        return linear_token_logprobs(hidden, weight, response, temperature, mask=mask, kept_ids=kept_ids)
+        return linear_token_logprobs(hidden, head.weight, response, temperature, mask=mask, kept_ids=kept_ids)
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False).logits
     return token_logprobs(logits[:, P - 1:-1], response, temperature, mask=mask, kept_ids=kept_ids)  # (B, T) x2
 
@@ -402,8 +372,7 @@ def addition_prompt(a: int, b: int) -> str:
 
 
 def addition_reward(prompts, completions):
-    """The demo's verifiable reward: 1 for the exact sum, else 0. Completions arrive decoded up to (not including)
-    EOS; one that never emitted EOS is marked by the caller (see --missing-eos-penalty)."""
+    """The demo's verifiable reward: 1 for the exact sum, else 0 (setup() also requires the EOS)."""
     out = []
     for prompt, completion in zip(prompts, completions):
         a, b = prompt.rstrip("=").split("+")
@@ -465,12 +434,8 @@ def left_pad(seqs, pad_id: int, device):
     """Lists of ids -> (ids, mask), each (B, P), padded on the left so every prompt ends at the same column and the
     first sampled token of every row goes to column P."""
     P = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), P), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), P), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, P - len(s):] = torch.tensor(s, dtype=torch.long)
-        mask[i, P - len(s):] = 1
-    return ids.to(device), mask.to(device)
+    ids = torch.tensor([[pad_id] * (P - len(s)) + list(s) for s in seqs], dtype=torch.long, device=device)
+    return ids, torch.tensor([[0] * (P - len(s)) + [1] * len(s) for s in seqs], dtype=torch.long, device=device)
 
 
 def prompt_order(n: int, seed: int, start: int = 0):
@@ -585,14 +550,17 @@ def generate(sampler, prompt_ids, prompt_mask, *, max_new_tokens, temperature, e
     between_steps: called between decode steps, returns the sampler's policy version (in-flight weight updates: the
     KV cache keeps the old weights' keys and values, as in PipelineRL; every token is tagged with its version)."""
     from transformers import DynamicCache
-    B = prompt_ids.shape[0]
-    cache_args = cache_kwargs(sampler, DynamicCache())  # the same cache object, filled step by step
+    # one cache object, filled step by step (transformers 5.24 renamed past_key_values to cache); only the last
+    # position's logits are needed (a prefill would otherwise hold (B, P, V) logits)
+    params = inspect.signature(sampler.forward).parameters
+    cache_args = {"cache" if "cache" in params else "past_key_values": DynamicCache(), "use_cache": True,
+                  **({"logits_to_keep": 1} if "logits_to_keep" in params else {})}
     attention_mask = prompt_mask
     position_ids = positions(prompt_mask)  # (B, P)
     logits = sampler(input_ids=prompt_ids, attention_mask=attention_mask, position_ids=position_ids,
                      **cache_args).logits[:, -1]  # (B, V)
     next_position = position_ids[:, -1:] + 1  # (B, 1)
-    done = torch.zeros(B, dtype=torch.bool, device=prompt_ids.device)
+    done = torch.zeros(prompt_ids.shape[0], dtype=torch.bool, device=prompt_ids.device)
     tokens, masks, logprobs, kept, versions = [], [], [], [], []
     for t in range(max_new_tokens):
         scaled = logits.float() / temperature  # (B, V)
@@ -651,12 +619,8 @@ def masked_whiten(x, mask):
 def kl_estimate(logprobs, ref_logprobs, estimator: str):
     """Per-token estimators of KL(pi || ref) from samples of pi (Schulman, "Approximating KL Divergence", 2020), with
     log r = ref_logprob - logprob:  k1 = -log r (unbiased, can be negative),  k3 = (r - 1) - log r (unbiased, >= 0)."""
-    log_ratio = ref_logprobs - logprobs
-    if estimator == "k1":
-        return -log_ratio
-    if estimator == "k3":
-        return torch.expm1(log_ratio) - log_ratio
-    raise ValueError(f"unknown KL estimator {estimator!r}")
+    log_ratio = ref_logprobs - logprobs  # check_config allows only k1 and k3
+    return -log_ratio if estimator == "k1" else torch.expm1(log_ratio) - log_ratio
 
 
 def per_token_rewards(scores, kl, response_mask, kl_coef):
@@ -673,17 +637,13 @@ def gae(rewards, values, response_mask, gamma: float, lam: float):
         delta_t = r_t + gamma * V_{t+1} - V_t,   A_t = delta_t + gamma * lam * A_{t+1},   returns_t = A_t + V_t,
     with V and A zero after the last real token (the episode ends there). Returns (advantages, returns), (B, T)."""
     mask = response_mask.bool()
-    values = torch.where(mask, values, 0.0)
-    rewards = torch.where(mask, rewards, 0.0)
-    T = rewards.shape[1]
-    advantages = torch.zeros_like(rewards)
-    last_gae = torch.zeros_like(rewards[:, 0])
+    T, rewards = rewards.shape[1], torch.where(mask, rewards, 0.0)
+    values = torch.cat([torch.where(mask, values, 0.0), torch.zeros_like(values[:, :1])], 1)  # (B, T+1): V_T = 0
+    advantages, last_gae = torch.zeros_like(rewards), torch.zeros_like(rewards[:, 0])
     for t in reversed(range(T)):
-        next_value = values[:, t + 1] if t + 1 < T else torch.zeros_like(values[:, t])
-        delta = rewards[:, t] + gamma * next_value - values[:, t]
-        last_gae = torch.where(mask[:, t], delta + gamma * lam * last_gae, 0.0)
-        advantages[:, t] = last_gae
-    return advantages, torch.where(mask, advantages + values, 0.0)
+        delta = rewards[:, t] + gamma * values[:, t + 1] - values[:, t]
+        advantages[:, t] = last_gae = torch.where(mask[:, t], delta + gamma * lam * last_gae, 0.0)
+    return advantages, torch.where(mask, advantages + values[:, :T], 0.0)
 
 
 def rollout_logprobs(model, batch: Rollout, cfg: Config):  # (logprobs, entropy), (B, T) each, of a batch's responses
@@ -821,13 +781,10 @@ def gradient_sync(models, enabled: bool):  # DDP / FSDP2: all-reduce gradients i
 
 
 def ppo_update(policy, critic, policy_opt, critic_opt, batch: Rollout, cfg: Config, row_orders):
-    """ppo_epochs x minibatches optimizer steps on one rollout batch, each minibatch as micro-batches whose gradients
-    accumulate (the losses are divided by the minibatch's token count, so accumulation gives the same token mean as
-    one big batch). row_orders[e] is epoch e's shuffled row order; epoch 0's is the one scoring used. Under torchrun
-    each rank updates on its own rows: the token count is the whole minibatch's over all ranks (divided by the world
-    size, since DDP averages the ranks' gradients) and gradients are all-reduced on the last micro-step only.
-    Non-finite guard: a NaN/inf loss or gradient norm skips that optimizer step and the rest of the update (the steps
-    already taken were finite and stand) and returns {"nonfinite": what and where}."""
+    """ppo_epochs x minibatches optimizer steps on one batch; row_orders[e] is epoch e's row order (epoch 0's is the
+    one scoring used). Micro-batch losses are divided by the minibatch's token count over all ranks (/ world, as DDP
+    averages gradients), so accumulation gives one big batch's token mean; gradients sync on the last micro-step.
+    A NaN/inf loss or grad norm skips that step and the rest (earlier steps stand): returns {"nonfinite": where}."""
     B = batch.response.shape[0]
     minibatch_size = B // cfg.minibatches
     micro = cfg.micro_batch_size or minibatch_size
@@ -907,10 +864,9 @@ def evaluate(policy, tokenizer, prompt_ids, prompt_texts, cfg: Config, seed: int
 
 
 def demo_warmup(policy, tokenizer, train_pairs, cfg: Config):
-    """Supervised warm-up on the addition task until sampled accuracy on 256 fresh training prompts reaches
-    --demo-warmup-target (checked every 5 steps), so PPO starts from a policy that is sometimes right. The jump in
-    accuracy comes anywhere between ~250 and 900+ steps depending on the seed, hence adaptive, not a fixed count.
-    Cached on disk by (model config, vocabulary, seed, warm-up settings): a second run loads it."""
+    """Supervised warm-up until sampled accuracy on 256 training prompts reaches --demo-warmup-target, so PPO starts
+    from a policy that is sometimes right. The jump comes anywhere from ~250 to 900+ steps depending on the seed, hence
+    adaptive, not a fixed count. Cached on disk by (model config, vocabulary, seed, warm-up settings)."""
     key = json.dumps([policy.config.to_json_string(), sorted(tokenizer.get_vocab().items()), cfg.seed,
                       cfg.demo_warmup_lr, cfg.demo_warmup_target, cfg.demo_warmup_max_steps, "v3"])
     path = os.path.join(os.path.expanduser(cfg.demo_cache), f"demo-warmup-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt")
@@ -987,13 +943,11 @@ def flatten_parameters(model):
 
 
 class WeightSync:
-    """Trainer -> sampler weights through packed buffers: publish() copies the trainer's flat fp32 weights into a
-    staging buffer of the sampler's dtype (one copy, with the cast, on the trainer's stream), pull() copies staging
-    into the sampler's flat weights (one copy, on the sampler's stream) at the sampler's safe points. CUDA events order
-    the two copies, so neither thread waits for the other's device work; the lock covers only the enqueueing. The
-    staging buffer lets the trainer keep updating while the sampler still generates with the previous version.
-    sharded (FSDP2): the trainer's parameters are shards, so publish() all-gathers each one straight into its slice of
-    the staging buffer (a collective per tensor, never a full fp32 copy); the pull stays one copy."""
+    """Trainer -> sampler weights through packed buffers: publish() casts the trainer's flat fp32 weights into a staging
+    buffer (one copy, trainer's stream; sharded/FSDP2: each shard all-gathered into its slice, never a full fp32
+    copy), pull() copies staging into the sampler's flat weights (one copy, sampler's stream) at its safe points.
+    CUDA events order the copies so neither thread waits on the other's device work; the lock covers enqueueing only.
+    Staging lets the trainer keep updating while the sampler still generates with the previous version."""
 
     def __init__(self, policy, sampler, sharded=False):
         self.policy, self.sampler_flat = policy, flatten_parameters(sampler)
@@ -1025,10 +979,6 @@ class WeightSync:
         if self.cuda:
             end.record()
         self.seconds[name] = time.perf_counter() - t0  # (CUDA: replaced by the device time in sync_ms)
-
-    def reset(self, version: int):  # after a checkpoint was loaded into the trainer: the sampler starts from it
-        self.publish(version)
-        self.pull()
 
     def publish(self, version: int):  # trainer thread, after the optimizer steps of an update
         with self.lock:
@@ -1089,9 +1039,8 @@ class Tracer:
 
 
 class Producer:
-    """Runs make_batch(i) for i = 0, 1, ... in a thread, at most max_staleness versions ahead of the trainer, into a
-    bounded queue; or inline (threaded=False). Exceptions in the thread re-raise in the trainer; close() stops and
-    joins the thread, also on error or Ctrl-C, so nothing hangs."""
+    """make_batch(i) for i = start, ... in a thread at most max_staleness versions ahead, into a bounded queue (or
+    inline). The thread's exceptions re-raise in the trainer; close() stops and joins it, also on error or Ctrl-C."""
 
     def __init__(self, make_batch, sync: WeightSync, tracer: Tracer, max_staleness: int, start: int, n: int, threaded: bool):
         self.make_batch, self.sync, self.tracer, self.max_staleness = make_batch, sync, tracer, max_staleness
@@ -1106,9 +1055,7 @@ class Producer:
     def _produce(self, i: int):
         with self.tracer.span("wait for weights", "sampler"):
             self.sync.wait_for(i - self.max_staleness, self.stop)
-        if self.stop.is_set():
-            return None
-        with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+        with torch.cuda.stream(self.stream):  # None (CPU): a no-op
             return self.make_batch(i, self.stop)
 
     def _run(self, start: int, n: int):
@@ -1133,14 +1080,8 @@ class Producer:
         if self.thread is None:
             item, self.next_index = self._produce(self.next_index), self.next_index + 1
         else:
-            with self.tracer.span("wait for a batch", "trainer"):
-                while True:
-                    try:
-                        item = self.queue.get(timeout=0.05)
-                        break
-                    except queue.Empty:
-                        if not self.thread.is_alive() and self.queue.empty():  # (it may have put one just now)
-                            raise RuntimeError("the sampler thread stopped without a batch")
+            with self.tracer.span("wait for a batch", "trainer"):  # _run puts every batch, or its exception
+                item = self.queue.get()
         if isinstance(item, BaseException):
             raise item
         if self.stream is not None:  # memory made on the sampler's stream, now also used on the trainer's
@@ -1166,23 +1107,20 @@ class Logger:
     torchrun only rank 0's logger writes (enabled); the others' are no-ops, so the loop calls log() unconditionally."""
 
     def __init__(self, cfg: Config, output_dir: str, enabled=True):
-        self.file = open(os.path.join(output_dir, "metrics.jsonl"), "a", encoding="utf-8") if enabled else None
+        self.file = open(os.path.join(output_dir, "metrics.jsonl") if enabled else os.devnull, "a", encoding="utf-8")
         self.wandb = None
         if cfg.wandb_project and enabled:
             import wandb  # lazy: wandb is optional
             self.wandb = wandb.init(project=cfg.wandb_project, config=dataclasses.asdict(cfg))
 
     def log(self, record: dict):
-        if self.file is None:
-            return
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
         if self.wandb is not None:
             self.wandb.log(record, step=record["step"])
 
     def close(self):
-        if self.file is not None:
-            self.file.close()
+        self.file.close()
         if self.wandb is not None:
             self.wandb.finish()
 
@@ -1211,19 +1149,17 @@ def write_json(obj, path: str):  # via a temporary file and a rename, so a crash
 def full_state(model, optimizer=None):
     """The model's (with an optimizer: the optimizer's) state with every tensor whole, on the CPU: gathered from the
     shards under FSDP2 (a collective: every rank calls it, rank 0 receives it), without DDP's "module." prefix."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(model, options=options) if optimizer is None else \
-        get_optimizer_state_dict(model, optimizer, options=options)
+    from torch.distributed.checkpoint import state_dict as dcp
+    options = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return dcp.get_model_state_dict(model, options=options) if optimizer is None else dcp.get_optimizer_state_dict(model, optimizer, options=options)
 
 
 def load_full_state(model, state: dict, optimizer=None):  # the inverse; under torchrun rank 0 reads, the others receive
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=torch.distributed.is_initialized())
+    from torch.distributed.checkpoint import state_dict as dcp
+    options = dcp.StateDictOptions(full_state_dict=True, broadcast_from_rank0=torch.distributed.is_initialized())
     if optimizer is None:
-        set_model_state_dict(model, state, options=options)
-    else:
-        set_optimizer_state_dict(model, optimizer, state, options=options)
+        return dcp.set_model_state_dict(model, state, options=options)
+    dcp.set_optimizer_state_dict(model, optimizer, state, options=options)
 
 
 def save_policy(policy, tokenizer, path: str, state_dict: dict):
@@ -1248,6 +1184,7 @@ def checkpoints(run_dir: str):  # the whole checkpoints of a run (renamed into p
 def find_checkpoint(path: str) -> str:  # --resume PATH: a checkpoint directory, or a run directory's newest one
     if not path:
         raise ValueError("--resume needs --output-dir DIR (the run to continue), or --resume PATH")
+    path = os.path.abspath(path)  # (a trailing slash or a relative path must not move the run's directory)
     if os.path.isfile(os.path.join(path, "trainer_state.pt")):
         return path
     found = checkpoints(path)
@@ -1258,10 +1195,9 @@ def find_checkpoint(path: str) -> str:  # --resume PATH: a checkpoint directory,
 
 def save_checkpoint(output_dir: str, step: int, actor, critic, optimizers, tokenizer, state: dict, rank_state: dict,
                     cfg: Config, ctx: Dist) -> str:
-    """checkpoints/step-N/: the actor as an HF model with its tokenizer (usable as --model), the critic, both
-    optimizers, the schedules, the step, every rank's generator states and the config. Every rank calls it (gathering
-    is collective); rank 0 writes into a hidden temporary directory, flushes it to disk, then renames it into place,
-    so a kill at any moment leaves the older checkpoints whole; the newest --keep-checkpoints are kept."""
+    """checkpoints/step-N/: policy/ (an HF model, usable as --model), critic, optimizers, schedules, every rank's RNGs,
+    config. Every rank calls it (gathering is collective); rank 0 writes a hidden temporary directory, fsyncs it and
+    renames it into place, so a kill at any moment leaves the older checkpoints whole."""
     root = os.path.join(output_dir, "checkpoints")
     final, tmp = os.path.join(root, f"step-{step:08d}"), os.path.join(root, f".tmp-step-{step:08d}")
     policy_state = {k.removeprefix("policy."): v for k, v in full_state(actor).items()}
@@ -1274,7 +1210,7 @@ def save_checkpoint(output_dir: str, step: int, actor, critic, optimizers, token
     if ctx.rank > 0:
         return final
     shutil.rmtree(tmp, ignore_errors=True)
-    save_policy(actor_module(actor).policy, tokenizer, os.path.join(tmp, "policy"), policy_state)
+    save_policy(getattr(actor, "module", actor).policy, tokenizer, os.path.join(tmp, "policy"), policy_state)
     torch.save(critic_state, os.path.join(tmp, "critic.pt"))
     torch.save({**state, "optimizers": optimizer_states, "ranks": ranks}, os.path.join(tmp, "trainer_state.pt"))
     write_json(dataclasses.asdict(cfg), os.path.join(tmp, "config.json"))
@@ -1292,9 +1228,8 @@ def save_checkpoint(output_dir: str, step: int, actor, critic, optimizers, token
 
 
 def load_checkpoint(path: str, actor, critic, optimizers, schedules, ctx: Dist = Dist()) -> dict:
-    """Load a save_checkpoint directory into the trainer's models, optimizers and schedules (in place: the policy's
-    parameters stay views of the packed buffer) and restore this rank's RNGs. Returns the trainer state, with this
-    rank's generator states. Under torchrun rank 0 reads the files and the others receive them."""
+    """Load save_checkpoint's files in place (the policy's parameters stay views of the packed buffer; rank 0 reads,
+    the others receive) and restore this rank's RNGs. Returns the trainer state with this rank's generator states."""
     read = lambda name: torch.load(os.path.join(path, name), map_location="cpu") if ctx.rank == 0 else {}
     policy_state = {}
     if ctx.rank == 0:
@@ -1323,25 +1258,16 @@ def load_checkpoint(path: str, actor, critic, optimizers, schedules, ctx: Dist =
     return {**state, **mine}
 
 
-def actor_module(model):  # the Actor inside DDP (FSDP2 keeps the module itself)
-    return getattr(model, "module", model)
-
-
 def restore_metrics(output_dir: str, step: int):
     """On resume: keep metrics.jsonl's records up to the checkpoint's step. Records a crashed run logged after its
     checkpoint (and a half-written last line) are dropped, and counted. Returns the kept iteration records."""
     path, records, dropped = os.path.join(output_dir, "metrics.jsonl"), [], 0
-    if os.path.exists(path):
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:
-                    record = {"step": math.inf}
-                if record["step"] <= step:
-                    records.append(record)
-                else:
-                    dropped += 1
+    for line in open(path, encoding="utf-8") if os.path.exists(path) else []:
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:  # a half-written last line
+            records.append({"step": math.inf})
+    records, dropped = [r for r in records if r["step"] <= step], sum(r["step"] > step for r in records)
     if dropped:
         print(f"resume: dropped {dropped} metrics records written after the checkpoint of step {step}")
     with open(path + ".tmp", "w", encoding="utf-8") as f:
@@ -1417,8 +1343,11 @@ def setup(cfg: Config, ctx: Dist = Dist()):
         demo_rule = not cfg.reward  # the demo's exact match includes the EOS: digits, then stop
         run["reward_fn"] = lambda b: call_reward_function(rule, b.prompts, b.completions, device) * (b.ended if demo_rule else 1)
     if not cfg.prompts:
-        with rank_zero_first(ctx):  # rank 0 warms up and caches; the other ranks load its cache
-            demo_warmup(policy, tokenizer, train_pairs, cfg)
+        if ctx.rank > 0:  # rank 0 warms up and fills the cache first; the other ranks then load it
+            torch.distributed.barrier()
+        demo_warmup(policy, tokenizer, train_pairs, cfg)
+        if ctx.rank == 0 and ctx.world > 1:
+            torch.distributed.barrier()
     run["reference"] = cast_parameters(copy.deepcopy(policy), dtype).requires_grad_(False)
     run["critic"] = build_critic(policy, reward_model, same_tokenizer)
     print(f"policy {sum(p.numel() for p in policy.parameters()) / 1e6:.2f}M parameters on {device}; critic from "
@@ -1427,8 +1356,7 @@ def setup(cfg: Config, ctx: Dist = Dist()):
 
 
 def make_optimizers(cfg: Config, policy, critic):
-    """AdamW for each model (eps 1e-5: the N+ details), each with a linear decay to 0 over --steps (one step per
-    iteration) unless --no-lr-decay."""
+    """AdamW per model (eps 1e-5: the N+ details), decayed linearly to 0 over --steps unless --no-lr-decay."""
     adamw = lambda m, lr: torch.optim.AdamW(m.parameters(), lr=lr, eps=cfg.adam_eps, weight_decay=cfg.weight_decay,
                                             fused=True)  # one kernel for all parameters, CPU and CUDA
     policy_opt, critic_opt = adamw(policy, cfg.lr), adamw(critic, cfg.critic_lr)
@@ -1437,8 +1365,7 @@ def make_optimizers(cfg: Config, policy, critic):
 
 
 def wrap_for_training(model, cfg: Config):
-    """Under torchrun: DDP (weights replicated, gradients all-reduced) or, with --fsdp, FSDP2 (each decoder layer and
-    then the whole model sharded over the ranks). Unwrapped in a single process."""
+    """Under torchrun: DDP (replicated, gradients all-reduced) or --fsdp FSDP2 (each decoder layer, then the root)."""
     if not torch.distributed.is_initialized():
         return model
     if cfg.fsdp:
@@ -1469,11 +1396,9 @@ def reduce_record(record: dict, world: int) -> dict:
 
 def train(cfg: Config, run, output_dir: str, threaded=None, ctx: Dist = Dist()):
     """The loop: the producer samples and scores with the frozen models, the trainer scores with the current weights
-    and updates. threaded=None: a sampler thread when --max-staleness > 0 or --inflight-updates, else inline (plain
-    synchronous PPO; the thread at staleness 0 gives the same result to the bit, only later). With --resume the run
-    continues from a checkpoint: at --max-staleness 0 to the same final weights as an uninterrupted run, since the
-    prompt order, the sampling and shuffling generators, the optimizers and the schedules all resume exactly (with a
-    sampler ahead, which weights a batch sees depends on timing anyway)."""
+    and updates. threaded=None: a sampler thread iff --max-staleness > 0 or --inflight-updates (at staleness 0 the
+    thread gives the inline loop's result to the bit). A --resume at staleness 0 ends at the uninterrupted run's
+    weights: prompt order, generators, optimizers and schedules all resume exactly."""
     policy, tokenizer, device = run.policy, run.tokenizer, run.policy.device
     sampler_dtype = torch.bfloat16 if device.type == "cuda" else policy.dtype  # inference copy: bf16 on GPU
     sampler = cast_parameters(copy.deepcopy(policy), sampler_dtype).requires_grad_(False)
@@ -1484,7 +1409,7 @@ def train(cfg: Config, run, output_dir: str, threaded=None, ctx: Dist = Dist()):
     rank_rows = slice(ctx.rank * cfg.batch_size // ctx.world, (ctx.rank + 1) * cfg.batch_size // ctx.world)
     sample_generator = torch.Generator(device).manual_seed(cfg.seed + 1_000_003 * ctx.rank)
     shuffle_generator = torch.Generator().manual_seed(cfg.seed + 1)
-    eval_seed, eval_model = cfg.seed + 2, sampler if cfg.fsdp else policy  # FSDP2: evaluate the sampler's full copy
+    eval_seed = cfg.seed + 2
     start, history, first_accuracy, last_checkpoint, elapsed = 0, [], None, None, 0.0
     if cfg.resume:
         state = load_checkpoint(cfg.resume, actor, critic, (policy_opt, critic_opt), schedules, ctx)
@@ -1492,8 +1417,12 @@ def train(cfg: Config, run, output_dir: str, threaded=None, ctx: Dist = Dist()):
         sample_generator.set_state(state["sampler_rng"])
         shuffle_generator.set_state(state["shuffle_rng"])
         history = restore_metrics(output_dir, start) if ctx.rank == 0 else []
+        for newer in [c for c in checkpoints(output_dir) if c > cfg.resume] if ctx.rank == 0 else []:  # step-N sorts
+            os.replace(newer, os.path.join(os.path.dirname(newer), f".abandoned-{os.path.basename(newer)}"))
+            print(f"resume: set aside {newer}, newer than the checkpoint resumed from (now .abandoned-*)")
         print(f"resumed from {cfg.resume} after iteration {start}/{cfg.steps}")
-    sync.reset(start)  # the sampler starts from the trainer's weights, as policy version `start`
+    sync.publish(start)  # the sampler starts from the trainer's (maybe just loaded) weights, as version `start`
+    sync.pull()
     if ctx.rank == 0:
         write_json(dataclasses.asdict(cfg), os.path.join(output_dir, "config.json"))  # the config actually used
     logger, tracer = Logger(cfg, output_dir, enabled=ctx.rank == 0), Tracer(cfg.trace if ctx.rank == 0 else "")
@@ -1529,6 +1458,13 @@ def train(cfg: Config, run, output_dir: str, threaded=None, ctx: Dist = Dist()):
         print(f"checkpoint: {path}", flush=True)
         return path
 
+    def evaluate_now():  # the demo's held-out accuracy of the trainer's current weights
+        if not cfg.fsdp:
+            return evaluate(policy, tokenizer, run.eval_ids, run.eval_texts, cfg, eval_seed)
+        with sync.lock:  # FSDP2: the sampler's full copy, brought up to date and held still while it is evaluated
+            sync.pull()
+            return evaluate(sampler, tokenizer, run.eval_ids, run.eval_texts, cfg, eval_seed)
+
     stop_signal = []  # the first SIGINT/SIGTERM ends the run after the current iteration, with a checkpoint
 
     def on_signal(signum, frame):
@@ -1543,7 +1479,7 @@ def train(cfg: Config, run, output_dir: str, threaded=None, ctx: Dist = Dist()):
     producer, bad_steps = None, 0
     try:
         if run.eval_ids is not None and not cfg.resume and ctx.rank == 0:
-            first_accuracy = evaluate(eval_model, tokenizer, run.eval_ids, run.eval_texts, cfg, eval_seed)
+            first_accuracy = evaluate_now()
             logger.log({"step": 0, "eval_accuracy": first_accuracy, "time_s": 0.0})
             print(f"held-out sampled accuracy before PPO: {first_accuracy:.3f}")
         producer = Producer(make_batch, sync, tracer, cfg.max_staleness, start, cfg.steps, threaded)
@@ -1559,8 +1495,10 @@ def train(cfg: Config, run, output_dir: str, threaded=None, ctx: Dist = Dist()):
                 for model in (actor, critic):  # FSDP2: a no-grad forward leaves the root's weights gathered
                     getattr(model, "reshard", lambda: None)()
                 problem = nonfinite(batch)
-                if any_rank(problem is not None, device):  # a decision all ranks take together
-                    problem = problem or "values on another rank"
+                if any_rank(problem is not None, device) and torch.distributed.is_initialized():  # decided together
+                    problems = [None] * ctx.world
+                    torch.distributed.all_gather_object(problems, problem)
+                    problem = "; ".join(f"rank {r}: {p}" for r, p in enumerate(problems) if p)
             with tracer.span("update", "trainer"):
                 t_update = time.time()
                 lr = schedules[0].get_last_lr()[0]  # the learning rate this update uses
@@ -1585,14 +1523,12 @@ def train(cfg: Config, run, output_dir: str, threaded=None, ctx: Dist = Dist()):
                 accuracy = None
                 if run.eval_ids is not None and (step % cfg.eval_every == 0 or step == cfg.steps) and ctx.rank == 0:
                     with tracer.span("evaluate", "trainer"):
-                        accuracy = evaluate(eval_model, tokenizer, run.eval_ids, run.eval_texts, cfg, eval_seed)
+                        accuracy = evaluate_now()
                 now = time.time()
                 record = reduce_record(iteration_record(step, batch, kl, stats, cfg, now - window, batch.gen_s, update_s,
                                                         tracer.take(), sync_ms, lr), ctx.world)
-                window = now
-                if accuracy is not None:
-                    record["eval_accuracy"] = accuracy
-                record["time_s"] = now - t_start
+                window, record["time_s"] = now, now - t_start
+                record.update({} if accuracy is None else {"eval_accuracy": accuracy})  # rank 0's, after the reduction
                 logger.log(record)
                 history.append(record)
                 print(format_line(record, cfg.steps), flush=True)
@@ -1605,7 +1541,8 @@ def train(cfg: Config, run, output_dir: str, threaded=None, ctx: Dist = Dist()):
                 last_checkpoint = checkpoint(step, batch)
                 stop_signal = stop_signal or ["a signal to another rank"]
                 print(f"stopped by {stop_signal[0]} after iteration {step}/{cfg.steps}; continue with: "
-                      f"python ppo_tokens.py --resume {last_checkpoint}")
+                      f"{'python' if ctx.world == 1 else f'torchrun --nproc_per_node {ctx.world}'} ppo_tokens.py --resume "
+                      f"{last_checkpoint}")
                 return history
     finally:
         if producer is not None:
@@ -1639,8 +1576,7 @@ def iteration_record(step, batch: Rollout, kl, stats, cfg: Config, iter_s, gen_s
             "iter_s": iter_s, "gen_tokens_per_s": response_tokens / gen_s,
             "train_tokens_per_s": cfg.ppo_epochs * sequence_tokens / update_s,
             "tokens_per_s": response_tokens / iter_s,  # end to end: what the overlap buys
-            "trainer_busy_s": trainer_busy, "trainer_wait_s": busy.get("trainer_wait_s", 0.0),
-            "sampler_busy_s": sampler_busy, "sampler_wait_s": busy.get("sampler_wait_s", 0.0),
+            **{f"{side}_{what}_s": busy.get(f"{side}_{what}_s", 0.0) for side in ("trainer", "sampler") for what in ("busy", "wait")},
             "trainer_idle_frac": max(0.0, 1.0 - trainer_busy / iter_s),
             "overlap_frac": max(0.0, trainer_busy + sampler_busy - iter_s) / iter_s,  # both busy at once
             "weight_sync_ms": sync_ms}

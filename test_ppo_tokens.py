@@ -1039,7 +1039,7 @@ def test_resume_after_kill_ends_with_the_same_weights_as_an_uninterrupted_run(tm
     killed = run_raw([*args, "--output-dir", str(tmp_path / "part")], tmp_path, KILL_AT="3")  # in iteration 3
     assert killed.returncode == -9 and [os.path.basename(c) for c in pt.checkpoints(tmp_path / "part")] == \
         ["step-00000001", "step-00000002"]
-    out = run_script(["--resume", str(tmp_path / "part")], tmp_path)  # the flags come from the checkpoint
+    out = run_script(["--resume", f"{tmp_path / 'part'}/"], tmp_path)  # the flags come from the checkpoint
     assert "resumed from" in out and "step-00000002 after iteration 2/4" in out
     full, part = load_file(tmp_path / "full/policy/model.safetensors"), load_file(tmp_path / "part/policy/model.safetensors")
     assert full.keys() == part.keys() and all(torch.equal(full[k], part[k]) for k in full)
