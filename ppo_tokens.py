@@ -1418,7 +1418,7 @@ def train(cfg: Config, run, output_dir: str, threaded=None, ctx: Dist = Dist()):
         shuffle_generator.set_state(state["shuffle_rng"])
         history = restore_metrics(output_dir, start) if ctx.rank == 0 else []
         for newer in [c for c in checkpoints(output_dir) if c > cfg.resume] if ctx.rank == 0 else []:  # step-N sorts
-            os.replace(newer, os.path.join(os.path.dirname(newer), f".abandoned-{os.path.basename(newer)}"))
+            os.replace(newer, os.path.join(os.path.dirname(newer), f".abandoned-{os.path.basename(newer)}-{time.strftime('%Y%m%d-%H%M%S')}"))
             print(f"resume: set aside {newer}, newer than the checkpoint resumed from (now .abandoned-*)")
         print(f"resumed from {cfg.resume} after iteration {start}/{cfg.steps}")
     sync.publish(start)  # the sampler starts from the trainer's (maybe just loaded) weights, as version `start`

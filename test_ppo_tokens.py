@@ -1063,6 +1063,10 @@ def test_a_kill_while_writing_a_checkpoint_leaves_the_previous_one_whole(tmp_pat
     out = run_script([*args, "--resume"], tmp_path)
     assert "step-00000001 after iteration 1/4" in out and "dropped 1 metrics records" in out
     assert [r["step"] for r in read_metrics(tmp_path / "run")] == [0, 1, 2, 3, 4]
+    older = pt.checkpoints(tmp_path / "run")[0]  # step 3: resuming from it sets the newer step 4 aside, never deletes it
+    out = run_script(["--resume", str(older)], tmp_path)
+    assert "set aside" in out and any(p.name.startswith(".abandoned-step-00000004-") for p in (tmp_path / "run/checkpoints").iterdir())
+    assert [os.path.basename(c) for c in pt.checkpoints(tmp_path / "run")] == ["step-00000003", "step-00000004"]
 
 
 def test_non_finite_rewards_skip_updates_then_stop_with_the_last_good_checkpoint_intact(tmp_path):
