@@ -1277,11 +1277,12 @@ def restore_metrics(output_dir: str, step: int):
 
 
 def nonfinite(batch: Rollout):  # what in a scored batch is NaN or inf, and in which rows; None when all is finite
-    for name in ("scores", "ref_logprobs", "old_logprobs", "values", "advantages"):
-        bad = ~torch.isfinite(getattr(batch, name).reshape(batch.response.shape[0], -1)).all(-1)  # (B,)
-        if bad.any():
-            rows = bad.nonzero().flatten().tolist()
-            return f"{name} in rows {rows[:8]}{' ...' if len(rows) > 8 else ''} of {batch.response.shape[0]}"
+    names, B = ("scores", "ref_logprobs", "old_logprobs", "values", "advantages"), batch.response.shape[0]
+    bad = torch.stack([~torch.isfinite(getattr(batch, n).reshape(B, -1)).all(-1) for n in names]).tolist()  # one sync
+    for name, flags in zip(names, bad):
+        rows = [r for r, flag in enumerate(flags) if flag]
+        if rows:
+            return f"{name} in rows {rows[:8]}{' ...' if len(rows) > 8 else ''} of {B}"
     return None
 
 
