@@ -26,7 +26,7 @@ Run it:
     python ppo_tokens.py --help                             # every flag with its comment
 The numbers quoted in README.md come from the commands listed there, on the machines named there.
 """
-import argparse, collections, contextlib, copy, dataclasses, hashlib, importlib, inspect, itertools, json, math, os
+import argparse, collections, contextlib, copy, dataclasses, functools, hashlib, importlib, inspect, itertools, json, math, os
 import queue, random, shutil, signal, sys, threading, time
 from dataclasses import dataclass, field
 
@@ -63,6 +63,10 @@ class Config:
     ppo_epochs: int = arg(2, "passes over each rollout batch")
     minibatches: int = arg(4, "optimizer steps per epoch; --batch-size must divide by it")
     micro_batch_size: int = arg(0, "rows per forward/backward, gradients accumulate; 0 = the whole minibatch")
+    micro_batch_tokens: int = arg(0, "instead: micro-batches of at most this many real tokens, packed into one sequence "
+                                  "each (padding-free; rows bucketed by length); 0 = padded rows")
+    gradient_checkpointing: bool = arg(False, "recompute each decoder layer's activations in the backward (less memory)")
+    bf16: bool = arg(False, "train under bf16 autocast over the fp32 master weights; the log-prob and value heads stay fp32")
     lr: float = arg(5e-4, "policy learning rate (AdamW); the demo's value, use ~1e-6 for real models")
     critic_lr: float = arg(1e-3, "critic learning rate (AdamW); use ~1e-5 for real models")
     lr_decay: bool = arg(True, "decay both learning rates linearly to 0 over --steps")
@@ -86,6 +90,9 @@ class Config:
     max_token_age: int = arg(-1, "drop tokens sampled more than this many versions ago from the loss (-1 = keep all)")
     trace: str = arg("", "write a Chrome trace (chrome://tracing, ui.perfetto.dev) of sampler and trainer to this file")
     bench_overlap: bool = arg(False, "benchmark: run --steps iterations at --max-staleness 0, 1 and 2, print a table")
+    bench_rollout: bool = arg(False, "benchmark: our sampler vs HF generate (tokens/s), and packed vs padded updates")
+    static_cache: bool = arg(True, "sample with a preallocated KV cache (+ a CUDA graph per decode step on GPU); off = "
+                             "transformers' DynamicCache, one column more per step")
     full_logits: bool = arg(False, "compute log-probs from full [tokens, vocab] logits instead of the fused lm_head path")
     fsdp: bool = arg(False, "torchrun: shard actor/critic weights, grads, Adam states (FSDP2), not replicate (DDP)")
     # the built-in demo
@@ -167,7 +174,10 @@ def check_config(cfg: Config):
               (not cfg.prompts or os.path.isfile(cfg.prompts), f"--prompts {cfg.prompts}: no such file"),
               (not cfg.reward_model or os.path.isdir(cfg.reward_model), f"--reward-model {cfg.reward_model}: no such directory"),
               (cfg.save_every >= 0, f"--save-every must be >= 0 (got {cfg.save_every})"),
-              (not cfg.bench_overlap or world == 1, "--bench-overlap runs in one process; start it with python, not torchrun"),
+              (cfg.micro_batch_tokens >= 0 and not (cfg.micro_batch_tokens and cfg.micro_batch_size),
+               "give --micro-batch-size (rows) or --micro-batch-tokens (a token budget), not both; neither is negative"),
+              (not (cfg.bench_overlap or cfg.bench_rollout) or world == 1,
+               "--bench-overlap and --bench-rollout run in one process; start them with python, not torchrun"),
               (not demo or 1 <= cfg.eval_size <= 5000, f"--eval-size must be in 1..5000 (got {cfg.eval_size})"),
               (not cfg.device.startswith("cuda") or torch.cuda.is_available(),
                f"--device {cfg.device}: CUDA is not available here; use --device cpu")]
@@ -286,10 +296,11 @@ class ScalarHeadModel(nn.Module):
         super().__init__()
         self.backbone, self.head = backbone, head
 
-    def forward(self, input_ids, attention_mask, position_ids):  # -> (B, L) float32
+    def forward(self, input_ids, attention_mask, position_ids, **packing):  # -> (B, L) float32
         hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                               use_cache=False).last_hidden_state
-        return self.head(hidden).squeeze(-1).float()
+                               use_cache=False, **packing).last_hidden_state
+        with torch.autocast(hidden.device.type, enabled=False):  # --bf16: the value head stays fp32
+            return self.head(hidden.to(self.head.weight.dtype)).squeeze(-1).float()
 
 
 def load_reward_model(path: str, device, dtype):
@@ -324,22 +335,33 @@ def build_critic(policy, reward_model=None, same_tokenizer=False):
 
 
 def sequence_logprobs(model, input_ids, attention_mask, position_ids, response, response_mask, temperature,
-                      kept_ids=None, full_logits=False):
+                      kept_ids=None, full_logits=False, layout=None):
     """THE token log-prob function: log pi(response_t | context) under temperature, and the entropy, for the response
     that starts at column P = input_ids.shape[1] - response.shape[1]. The hidden state at column P-1+t predicts
-    response token t. Returns (logprobs, entropy), each (B, T) float32 and exactly 0 on masked (pad) tokens."""
-    P = input_ids.shape[1] - response.shape[1]
+    response token t. Returns (logprobs, entropy), each (B, T) float32 and exactly 0 on masked (pad) tokens.
+    layout: the inputs are one packed row (pack_sequences); the hidden states at layout["predict"] predict the real
+    response tokens, in row-major order."""
     mask = response_mask.bool()
+    packing = {} if layout is None else {"packed_layout": layout}
+    if layout is None:  # (B, T, H) hidden states and what they predict
+        select, targets, kept, target_mask = (lambda h: h[:, input_ids.shape[1] - response.shape[1] - 1:-1]), response, kept_ids, mask
+    else:  # (1, n, H): the n real response tokens only
+        select, targets, target_mask = (lambda h: h[:, layout["predict"]]), response[mask][None], None
+        kept = None if kept_ids is None else kept_ids[mask][None]
     # fused path when logits are exactly hidden @ W.T: kernels.linear_token_logprobs never holds the [tokens, vocab]
     # logits. Not for models that post-process their logits (Gemma 2, Cohere, Granite rescale them).
     head, post = getattr(model, "lm_head", None), ("final_logit_softcapping", "logit_scale", "logits_scaling")
     if not full_logits and isinstance(head, nn.Linear) and head.bias is None and \
             all(getattr(getattr(model, "config", None), k, None) in (None, 1.0) for k in post):
-        hidden = backbone_of(model)(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                          use_cache=False).last_hidden_state[:, P - 1:-1]  # (B, T, H)
-        return linear_token_logprobs(hidden, head.weight, response, temperature, mask=mask, kept_ids=kept_ids)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False).logits
-    return token_logprobs(logits[:, P - 1:-1], response, temperature, mask=mask, kept_ids=kept_ids)  # (B, T) x2
+        hidden = select(backbone_of(model)(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                           use_cache=False, **packing).last_hidden_state)
+        with torch.autocast(hidden.device.type, enabled=False):  # --bf16: the head stays fp32 (logits in fp32)
+            out = linear_token_logprobs(hidden.to(head.weight.dtype), head.weight, targets, temperature, mask=target_mask, kept_ids=kept)
+    else:
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+                       **packing).logits
+        out = token_logprobs(select(logits), targets, temperature, mask=target_mask, kept_ids=kept)  # (B, T) x2
+    return out if layout is None else tuple(torch.zeros_like(mask, dtype=o.dtype).masked_scatter(mask, o[0]) for o in out)
 
 
 class Actor(nn.Module):
@@ -350,9 +372,80 @@ class Actor(nn.Module):
         super().__init__()
         self.policy, self.temperature, self.full_logits = policy, temperature, full_logits
 
-    def forward(self, input_ids, attention_mask, position_ids, response, response_mask, kept_ids=None):
+    def forward(self, input_ids, attention_mask, position_ids, response, response_mask, kept_ids=None, layout=None):
         return sequence_logprobs(self.policy, input_ids, attention_mask, position_ids, response, response_mask,
-                                 self.temperature, kept_ids, self.full_logits)
+                                 self.temperature, kept_ids, self.full_logits, layout)
+
+
+# Packed (padding-free) forwards: the real tokens of a micro-batch as one row (pack_sequences), and an attention for
+# transformers that keeps the sequences apart: flash-attn's varlen kernel when it is installed (CUDA, bf16/fp16),
+# otherwise SDPA on a right-padded view of the packed sequences: every linear layer, norm and the lm_head run on the
+# real tokens only, and the attention of a micro-batch of similar lengths (token_budget_bins) pads little.
+# transformers' own packed path for SDPA builds an (N, N) block-diagonal mask and computes every block of it.
+
+def packed_attention(module, query, key, value, attention_mask, packed_layout=None, **kwargs):
+    """A transformers attention function (registered as "ppo_packed"); plain SDPA for unpacked calls (the sampler,
+    padded forwards). query (1, heads, N, d), key and value (1, kv_heads, N, d). Returns ((1, N, heads, d), None)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    if packed_layout is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    layout, scaling = packed_layout, kwargs.get("scaling")
+    if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and importlib.util.find_spec("flash_attn"):
+        from flash_attn import flash_attn_varlen_func
+        q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # (N, heads, d)
+        return flash_attn_varlen_func(q, k, v, layout["cu_seqlens"], layout["cu_seqlens"], layout["width"],
+                                      layout["width"], softmax_scale=scaling, causal=True)[None], None
+    rows, width = layout["rows"], layout["width"]
+    padded = lambda x: x[0].transpose(0, 1)[layout["to_padded"]].view(rows, width, *x.shape[1:2], x.shape[3]).transpose(1, 2)
+    # right-padded rows need no mask: causal attention never looks at the pads after a sequence's last token
+    out, _ = sdpa_attention_forward(module, padded(query), padded(key), padded(value), None, is_causal=True,
+                                    scaling=scaling)  # (rows, width, heads, d)
+    return out.reshape(rows * width, *out.shape[2:])[layout["to_packed"]][None], None
+
+
+def use_packed_attention(backbone):
+    """Switch a transformers backbone from SDPA to packed_attention (the same as SDPA unless a forward is packed),
+    and check on a ragged batch that packed hidden states equal padded ones; refuse with a message otherwise."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+    if backbone.config._attn_implementation not in ("sdpa", "ppo_packed"):
+        raise SystemExit(f"--micro-batch-tokens packs sequences through SDPA; {type(backbone).__name__} uses "
+                         f"{backbone.config._attn_implementation!r} attention. Leave --micro-batch-tokens at 0")
+    AttentionInterface.register("ppo_packed", packed_attention)
+    AttentionMaskInterface.register("ppo_packed", sdpa_mask)
+    backbone.set_attn_implementation("ppo_packed")
+    ids, device = torch.randint(1, backbone.config.vocab_size, (2, 5), device=backbone.device), backbone.device
+    check = Rollout(ids[:, :3], torch.tensor([[0, 1, 1], [1, 1, 1]], device=device), ids[:, 3:],
+                    torch.tensor([[1, 1], [1, 0]], device=device), None, None, None)
+    input_ids, attention_mask, position_ids = full_sequence(check)
+    with torch.no_grad():
+        padded = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          use_cache=False).last_hidden_state[attention_mask.bool()]
+        *inputs, layout = pack_sequences(check)
+        packed = backbone(*inputs[:1], attention_mask=inputs[1], position_ids=inputs[2], use_cache=False,
+                          packed_layout=layout).last_hidden_state[0]
+    if not torch.allclose(packed.float(), padded.float(), atol=1e-3):
+        raise SystemExit(f"--micro-batch-tokens: packed sequences give other hidden states than padded ones in "
+                         f"{type(backbone).__name__} ({float((packed - padded).abs().max()):.2g}); leave it at 0")
+
+
+def decoder_layers(model):  # the transformer blocks: the longest ModuleList
+    return max((m for m in model.modules() if isinstance(m, nn.ModuleList)), key=len)
+
+
+def checkpoint_layers(model):
+    """--gradient-checkpointing: each decoder layer keeps only its inputs and recomputes its activations in the
+    backward (non-reentrant torch.utils.checkpoint; works in eval mode, unlike transformers' own, and under FSDP2)."""
+    def checkpointed(forward, *args, **kwargs):
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    for layer in decoder_layers(model):
+        layer.forward = functools.partial(checkpointed, layer.forward)
+
+
+def autocast(cfg: Config, device):  # --bf16: the trainer's forwards in bf16 autocast, its weights and Adam in fp32
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -541,25 +634,123 @@ def truncate_logits(scaled_logits, top_k: int, top_p: float):
     return filtered, ids
 
 
+class PlainDecoder:
+    """The reference decode loop's model calls: transformers' DynamicCache, grown by one column per step, and a 2D
+    attention mask that transformers turns into a 4D one at every call. Works for every causal LM."""
+
+    def __init__(self, model):
+        params = inspect.signature(model.forward).parameters  # transformers 5.24 renamed past_key_values to cache
+        self.model, self.cache_kwarg = model, "cache" if "cache" in params else "past_key_values"
+        self.keep = {"logits_to_keep": 1} if "logits_to_keep" in params else {}  # not (B, P, V) prefill logits
+
+    def start(self, prompt_ids, prompt_mask):  # -> (B, V) logits of the first response token
+        from transformers import DynamicCache
+        self.mask, position = prompt_mask, positions(prompt_mask)  # (B, P) each
+        self.position, self.cache = position[:, -1:], {self.cache_kwarg: DynamicCache(), "use_cache": True}
+        return self._forward(prompt_ids, position)
+
+    def step(self, token):  # token (B,) -> (B, V) logits of the next one
+        self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], 1)
+        self.position = self.position + 1
+        return self._forward(token[:, None], self.position)
+
+    def _forward(self, input_ids, position_ids):
+        return self.model(input_ids=input_ids, attention_mask=self.mask, position_ids=position_ids, **self.cache,
+                          **self.keep).logits[:, -1]
+
+
+class StaticDecoder(PlainDecoder):
+    """The fast sampler's model calls: a preallocated KV cache (transformers' StaticCache) and attention mask, so a
+    decode step allocates nothing and never waits for the host; on CUDA the step is captured once as a CUDA graph
+    and replayed (one launch instead of ~10 kernels per layer, each with its Python dispatch). One decoder serves
+    every batch of batch_size rows whose prompt + response fit in max_len. It needs full-attention layers that take
+    a ready 4D boolean mask through SDPA (Llama, Qwen2/3, Mistral, ...); `fast_decoder` checks a model against the
+    plain loop once and falls back to PlainDecoder with a message otherwise."""
+
+    def __init__(self, model, batch_size: int, max_len: int, graphs: bool):
+        from transformers import StaticCache
+        super().__init__(model)
+        device, self.max_len = model.device, max_len
+        self.cache = {self.cache_kwarg: StaticCache(config=model.config, max_cache_len=max_len), "use_cache": True}
+        self.mask = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)  # (B, L) keys a row may see
+        self.token = torch.zeros(batch_size, 1, dtype=torch.long, device=device)  # the step's inputs, updated in place
+        self.position = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
+        self.column = torch.zeros(1, dtype=torch.long, device=device)  # the cache column the next token goes to
+        self.graph = None
+        self.start(self.token, torch.ones_like(self.token))  # allocates the cache (transformers does it lazily)
+        if graphs:  # warm up on a side stream (as torch.cuda.graphs requires), then capture one step
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self._step()
+            torch.cuda.current_stream().wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):  # the trainer thread runs on
+                self.logits = self._step()
+
+    def start(self, prompt_ids, prompt_mask):
+        B, P = prompt_ids.shape
+        self.cache[self.cache_kwarg].reset()  # zeroes in place: the graph's addresses stay valid
+        self.mask.zero_()
+        self.mask[:, :P] = prompt_mask.bool()
+        query, key = torch.arange(P, device=self.mask.device)[:, None], torch.arange(self.max_len, device=self.mask.device)
+        # (B, 1, P, L): causal over the real prompt tokens; a pad attends to itself (a fully masked row would be NaN,
+        # and 0 * NaN poisons the real rows that give it zero weight)
+        allowed = (self.mask[:, None, None, :] & (key <= query)) | (key == query)
+        position = positions(prompt_mask)  # (B, P)
+        self.position.copy_(position[:, -1:])
+        self.column.fill_(P)
+        return self.model(input_ids=prompt_ids, attention_mask=allowed, position_ids=position, **self.cache,
+                          **self.keep).logits[:, -1]
+
+    def step(self, token):
+        self.token.copy_(token[:, None])
+        if self.graph is None:
+            return self._step()
+        self.graph.replay()
+        return self.logits
+
+    def _step(self):  # reads and updates the static inputs in place, so a CUDA graph of it replays correctly
+        self.mask.index_fill_(1, self.column, True)
+        self.column.add_(1)
+        self.position.add_(1)
+        return self.model(input_ids=self.token, attention_mask=self.mask[:, None, None, :], position_ids=self.position,
+                          **self.cache, **self.keep).logits[:, -1]
+
+
+@torch.no_grad()
+def fast_decoder(model, batch_size: int, max_len: int):
+    """A StaticDecoder for model (CUDA graph on GPU) if it gives the plain loop's logits on a test batch, else a
+    PlainDecoder, with a message that says why."""
+    try:
+        decoder = StaticDecoder(model, batch_size, max(max_len, 4), graphs=model.device.type == "cuda")
+        ids = torch.randint(0, model.config.vocab_size, (batch_size, 3), device=model.device)
+        mask = torch.ones_like(ids)
+        mask[0, 0] = 0  # a left pad
+        outputs = [[d.start(ids, mask), d.step(ids[:, 1]).clone(), d.step(ids[:, 2])] for d in (decoder, PlainDecoder(model))]
+        diff = max(float((torch.log_softmax(a.float(), -1) - torch.log_softmax(b.float(), -1)).abs().max())
+                   for a, b in zip(*outputs))
+        if diff > (1e-3 if model.dtype == torch.float32 else 0.25):
+            raise ValueError(f"its log-probs differ from the plain loop's by {diff:.3g}")
+        return decoder
+    except Exception as e:  # a model family the fast path does not support: sample with the plain loop
+        print(f"fast sampler off for {type(model).__name__} ({str(e).splitlines()[0][:200]}); using the plain decode loop")
+        return PlainDecoder(model)
+
+
 @torch.no_grad()
 def generate(sampler, prompt_ids, prompt_mask, *, max_new_tokens, temperature, eos_id, pad_id, generator,
              top_k=0, top_p=1.0, policy_version=0, between_steps=None):
-    """Batched sampling with a KV cache (our own loop, not model.generate, so every detail is visible): left-padded
-    prompts with position ids cumsum(mask) - 1, logits / temperature, optional top-k/top-p, per-row stop at EOS with
-    pad after it, and each token's log-prob recorded at sampling time by the same function the trainer scores with.
+    """Batched sampling, our own loop (not model.generate, so every detail is visible): left-padded prompts with
+    position ids cumsum(mask) - 1, logits / temperature, optional top-k/top-p, per-row stop at EOS with pad after it,
+    and each token's log-prob recorded at sampling time by the same function the trainer scores with. No host sync
+    in a step: the batch-level early exit (every row has ended) is checked every 4 steps.
+    sampler: a model (the plain loop) or a decoder (PlainDecoder / StaticDecoder, e.g. from fast_decoder).
     between_steps: called between decode steps, returns the sampler's policy version (in-flight weight updates: the
     KV cache keeps the old weights' keys and values, as in PipelineRL; every token is tagged with its version)."""
-    from transformers import DynamicCache
-    # one cache object, filled step by step (transformers 5.24 renamed past_key_values to cache); only the last
-    # position's logits are needed (a prefill would otherwise hold (B, P, V) logits)
-    params = inspect.signature(sampler.forward).parameters
-    cache_args = {"cache" if "cache" in params else "past_key_values": DynamicCache(), "use_cache": True,
-                  **({"logits_to_keep": 1} if "logits_to_keep" in params else {})}
-    attention_mask = prompt_mask
-    position_ids = positions(prompt_mask)  # (B, P)
-    logits = sampler(input_ids=prompt_ids, attention_mask=attention_mask, position_ids=position_ids,
-                     **cache_args).logits[:, -1]  # (B, V)
-    next_position = position_ids[:, -1:] + 1  # (B, 1)
+    decoder = PlainDecoder(sampler) if isinstance(sampler, nn.Module) else sampler
+    logits = decoder.start(prompt_ids, prompt_mask)  # (B, V)
     done = torch.zeros(prompt_ids.shape[0], dtype=torch.bool, device=prompt_ids.device)
     tokens, masks, logprobs, kept, versions = [], [], [], [], []
     for t in range(max_new_tokens):
@@ -578,12 +769,9 @@ def generate(sampler, prompt_ids, prompt_mask, *, max_new_tokens, temperature, e
         done = done | (alive & (token == eos_id))
         if t == max_new_tokens - 1 or (t % 4 == 3 and bool(done.all())):  # one host sync every 4 steps, not every step
             break
-        attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], 1)
         if between_steps is not None:
             policy_version = between_steps()
-        logits = sampler(input_ids=tokens[-1][:, None], attention_mask=attention_mask, position_ids=next_position,
-                         **cache_args).logits[:, -1]
-        next_position = next_position + 1
+        logits = decoder.step(tokens[-1])
     response = torch.stack(tokens, 1)  # (B, T)
     return Rollout(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response=response,
                    response_mask=torch.stack(masks, 1).long(), behav_logprobs=torch.stack(logprobs, 1),
@@ -648,7 +836,30 @@ def gae(rewards, values, response_mask, gamma: float, lam: float):
 
 def rollout_logprobs(model, batch: Rollout, cfg: Config):  # (logprobs, entropy), (B, T) each, of a batch's responses
     actor = model if isinstance(getattr(model, "module", model), Actor) else Actor(model, cfg.temperature, cfg.full_logits)
-    return actor(*full_sequence(batch), batch.response, batch.response_mask, batch.kept_ids)
+    *inputs, layout = pack_sequences(batch) if cfg.micro_batch_tokens else (*full_sequence(batch), None)
+    return actor(*inputs, batch.response, batch.response_mask, batch.kept_ids, layout)
+
+
+def pack_sequences(batch: Rollout):
+    """The real tokens of a batch as one row, each sequence's prompt then response, back to back, with position ids
+    restarting at 0 for each. Returns (input_ids (1, N), a dummy 4D mask that tells transformers not to build one,
+    position_ids (1, N), layout): layout["predict"] (n,) the packed column whose hidden state predicts each real
+    response token (row-major), cu_seqlens for flash-attn, and the indices of the right-padded view for SDPA."""
+    input_ids, attention_mask, _ = full_sequence(batch)  # (B, L); each row's real tokens are contiguous
+    real, device = attention_mask.bool(), input_ids.device
+    lengths = real.sum(1)  # (B,)
+    starts = lengths.cumsum(0) - lengths  # (B,) where each sequence starts in the packed row
+    position_ids = torch.arange(int(lengths.sum()), device=device) - starts.repeat_interleave(lengths)  # (N,)
+    t = torch.arange(batch.response.shape[1], device=device)
+    predict = (starts + batch.prompt_mask.sum(1) - 1)[:, None] + t  # (B, T): column P-1+t of each sequence
+    width = int(lengths.max())  # one host sync per micro-batch
+    column = torch.arange(width, device=device)
+    inside = column < lengths[:, None]  # (B, width)
+    layout = {"predict": predict[batch.response_mask.bool()], "rows": len(lengths), "width": width,
+              "cu_seqlens": torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).int(),
+              "to_padded": torch.where(inside, starts[:, None] + column, 0).reshape(-1),  # (B * width,) into N
+              "to_packed": (torch.arange(len(lengths), device=device)[:, None] * width + column)[inside]}  # (N,)
+    return input_ids[real][None], real.new_ones(1, 1, 1, 1), position_ids[None], layout
 
 
 def full_sequence(batch: Rollout):  # prompt + response as one left-padded sequence, its mask and position ids
@@ -657,17 +868,54 @@ def full_sequence(batch: Rollout):  # prompt + response as one left-padded seque
     return input_ids, attention_mask, positions(attention_mask)
 
 
-def critic_values(critic, batch: Rollout):  # (B, T): V(state before response token t), from column P-1+t
-    input_ids, attention_mask, position_ids = full_sequence(batch)
-    P = batch.prompt_ids.shape[1]
-    values = critic(input_ids, attention_mask, position_ids)[:, P - 1:-1]
-    return torch.where(batch.response_mask.bool(), values, 0.0)
+def critic_values(critic, batch: Rollout, packed=False):  # (B, T): V(state before response token t), column P-1+t
+    mask = batch.response_mask.bool()
+    if packed:
+        *inputs, layout = pack_sequences(batch)
+        values = critic(*inputs, packed_layout=layout)[0, layout["predict"]]  # (n,)
+        return torch.zeros_like(mask, dtype=values.dtype).masked_scatter(mask, values)
+    values = critic(*full_sequence(batch))[:, batch.prompt_ids.shape[1] - 1:-1]
+    return torch.where(mask, values, 0.0)
 
 
-def micro_batches(batch: Rollout, cfg: Config, row_order=None):  # (rows, sub-batch) pairs, micro-batch sized
+def token_budget_bins(lengths, budget: int, bins=0):
+    """Row indices (into lengths) grouped into micro-batches of at most `budget` tokens, longest rows first, so each
+    micro-batch holds sequences of similar length (little padding in the attention's view). A row longer than the
+    budget would get one of its own (setup refuses such a budget). bins: make at least this many (by halving the
+    largest), so that every rank runs the same number of forwards (FSDP2 gathers the weights in each)."""
+    groups, total = [], budget + 1
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        if total + lengths[i] > budget:
+            groups.append([])
+            total = 0
+        groups[-1].append(i)
+        total += lengths[i]
+    while len(groups) < bins:
+        largest = max((g for g in groups if len(g) > 1), key=lambda g: sum(lengths[i] for i in g))
+        groups.remove(largest)
+        groups += [largest[:len(largest) // 2], largest[len(largest) // 2:]]
+    return groups
+
+
+def micro_batch_rows(batch: Rollout, minibatches, cfg: Config, ranks_agree=False):
+    """Each minibatch's rows split into micro-batches: --micro-batch-size rows each, or with --micro-batch-tokens the
+    token_budget_bins of its rows. ranks_agree: as many micro-batches per minibatch on every rank (one collective)."""
+    if not cfg.micro_batch_tokens:
+        return [list(rows.split(cfg.micro_batch_size or len(rows))) for rows in minibatches]
+    lengths = (batch.prompt_mask.sum(1) + batch.response_mask.sum(1)).tolist()
+    groups = [token_budget_bins([lengths[r] for r in rows.tolist()], cfg.micro_batch_tokens) for rows in minibatches]
+    counts = torch.tensor([len(g) for g in groups], device=batch.response.device)
+    counts = all_reduce(counts, "max").tolist() if ranks_agree else counts.tolist()
+    groups = [token_budget_bins([lengths[r] for r in rows.tolist()], cfg.micro_batch_tokens, n) if n > len(g) else g
+              for rows, g, n in zip(minibatches, groups, counts)]
+    return [[rows[torch.tensor(g, device=rows.device)] for g in gs] for rows, gs in zip(minibatches, groups)]
+
+
+def micro_batches(batch: Rollout, cfg: Config, row_order=None, ranks_agree=False):  # (rows, sub-batch) pairs
     B = batch.response.shape[0]
     row_order = torch.arange(B) if row_order is None else row_order
-    for rows in row_order.to(batch.response.device).split(cfg.micro_batch_size or B // cfg.minibatches):
+    minibatches = row_order.to(batch.response.device).split(B // cfg.minibatches)
+    for rows in itertools.chain(*micro_batch_rows(batch, minibatches, cfg, ranks_agree)):
         yield rows, batch.rows(rows)
 
 
@@ -692,9 +940,10 @@ def score_trainer(batch: Rollout, policy, critic, cfg: Config, row_order=None, v
     version: the trainer's policy version (None = every token is fresh: plain PPO). Returns the per-token KL."""
     batch.old_logprobs = torch.zeros_like(batch.behav_logprobs)
     batch.values = torch.zeros_like(batch.behav_logprobs, dtype=torch.float32)  # the critic's output is fp32
-    for rows, mb in micro_batches(batch, cfg, row_order):
-        batch.old_logprobs[rows] = rollout_logprobs(policy, mb, cfg)[0]
-        batch.values[rows] = critic_values(critic, mb)
+    for rows, mb in micro_batches(batch, cfg, row_order, ranks_agree=True):  # the first epoch's micro-batches
+        with autocast(cfg, batch.response.device):
+            batch.old_logprobs[rows] = rollout_logprobs(policy, mb, cfg)[0]
+            batch.values[rows] = critic_values(critic, mb, packed=cfg.micro_batch_tokens > 0)
     mask = batch.response_mask.bool()
     if cfg.whiten_scores:  # here, not in the producer: under torchrun it is a collective, which only this thread runs
         batch.scores = masked_whiten(batch.scores, torch.ones_like(batch.scores))
@@ -785,25 +1034,25 @@ def ppo_update(policy, critic, policy_opt, critic_opt, batch: Rollout, cfg: Conf
     one scoring used). Micro-batch losses are divided by the minibatch's token count over all ranks (/ world, as DDP
     averages gradients), so accumulation gives one big batch's token mean; gradients sync on the last micro-step.
     A NaN/inf loss or grad norm skips that step and the rest (earlier steps stand): returns {"nonfinite": where}."""
-    B = batch.response.shape[0]
-    minibatch_size = B // cfg.minibatches
-    micro = cfg.micro_batch_size or minibatch_size
+    minibatch_size = batch.response.shape[0] // cfg.minibatches
     sums, n_steps, first_ratio_max_dev = {}, 0, torch.zeros(())
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     minibatches = [rows for order in row_orders[:cfg.ppo_epochs] for rows in order.to(batch.response.device).split(minibatch_size)]
     tokens = all_reduce(torch.stack([batch.loss_mask[rows].sum() for rows in minibatches])) / world  # one collective
-    for i, mb_rows in enumerate(minibatches):
+    device, all_micro_rows = batch.response.device, micro_batch_rows(batch, minibatches, cfg, ranks_agree=True)
+    for i, micro_rows in enumerate(all_micro_rows):
         epoch, minibatch, mb_tokens = i // cfg.minibatches, i % cfg.minibatches, tokens[i]
-        micro_rows = mb_rows.split(micro)
         for j, rows in enumerate(micro_rows):
             with gradient_sync((policy, critic), enabled=j == len(micro_rows) - 1):
                 mb = batch.rows(rows)
-                logprobs, entropy = rollout_logprobs(policy, mb, cfg)
+                with autocast(cfg, device):
+                    logprobs, entropy = rollout_logprobs(policy, mb, cfg)
                 pg_loss, pg_stats = policy_loss(logprobs, mb.old_logprobs, mb.advantages, mb.loss_mask,
                                                 cfg.clip_range, mb_tokens, mb.is_weight)
                 entropy_mean = masked_mean(entropy, mb.loss_mask, mb_tokens)
                 (pg_loss - cfg.entropy_coef * entropy_mean).backward()
-                values = critic_values(critic, mb)
+                with autocast(cfg, device):
+                    values = critic_values(critic, mb, packed=cfg.micro_batch_tokens > 0)
                 vf_loss, vf_stats = value_loss(values, mb.values, mb.returns, mb.loss_mask, cfg.value_clip_range,
                                                mb_tokens)
                 vf_loss.backward()
@@ -1349,8 +1598,15 @@ def setup(cfg: Config, ctx: Dist = Dist()):
         demo_warmup(policy, tokenizer, train_pairs, cfg)
         if ctx.rank == 0 and ctx.world > 1:
             torch.distributed.barrier()
+    if cfg.micro_batch_tokens:
+        if cfg.micro_batch_tokens < longest + cfg.response_length:
+            raise SystemExit(f"--micro-batch-tokens {cfg.micro_batch_tokens} is less than the longest sequence (a "
+                             f"{longest}-token prompt + --response-length {cfg.response_length}); raise it")
+        use_packed_attention(backbone_of(policy))  # before the copies: the reference and sampler inherit it
     run["reference"] = cast_parameters(copy.deepcopy(policy), dtype).requires_grad_(False)
     run["critic"] = build_critic(policy, reward_model, same_tokenizer)
+    if cfg.micro_batch_tokens:  # (a critic from the reward model has its own attention set-up)
+        use_packed_attention(run["critic"].backbone)
     print(f"policy {sum(p.numel() for p in policy.parameters()) / 1e6:.2f}M parameters on {device}; critic from "
           f"{'the reward model' if reward_model is not None and same_tokenizer else 'the policy, zero-initialised head'}")
     return dataclasses.make_dataclass("Run", run.keys())(**run)
@@ -1371,8 +1627,7 @@ def wrap_for_training(model, cfg: Config):
         return model
     if cfg.fsdp:
         from torch.distributed.fsdp import fully_shard
-        layers = max((m for m in model.modules() if isinstance(m, nn.ModuleList)), key=len)  # the decoder layers
-        for layer in layers:
+        for layer in decoder_layers(model):
             fully_shard(layer)
         return fully_shard(model)
     device = next(model.parameters()).device
@@ -1404,6 +1659,8 @@ def train(cfg: Config, run, output_dir: str, threaded=None, ctx: Dist = Dist()):
     sampler_dtype = torch.bfloat16 if device.type == "cuda" else policy.dtype  # inference copy: bf16 on GPU
     sampler = cast_parameters(copy.deepcopy(policy), sampler_dtype).requires_grad_(False)
     sync = WeightSync(policy, sampler, sharded=cfg.fsdp and torch.distributed.is_initialized())  # packs the weights
+    for model in (policy, run.critic) if cfg.gradient_checkpointing else ():  # (not the sampler copy, made above)
+        checkpoint_layers(model)
     actor, critic = wrap_for_training(Actor(policy, cfg.temperature, cfg.full_logits), cfg), wrap_for_training(run.critic, cfg)
     policy_opt, critic_opt, schedules = make_optimizers(cfg, actor, critic)
     # the same prompt order on every rank, each taking its slice; sampling differs per rank (a seed offset)
@@ -1428,6 +1685,8 @@ def train(cfg: Config, run, output_dir: str, threaded=None, ctx: Dist = Dist()):
         write_json(dataclasses.asdict(cfg), os.path.join(output_dir, "config.json"))  # the config actually used
     logger, tracer = Logger(cfg, output_dir, enabled=ctx.rank == 0), Tracer(cfg.trace if ctx.rank == 0 else "")
     order = prompt_order(len(run.prompt_ids), cfg.seed, start=start * cfg.batch_size)
+    longest = max(map(len, run.prompt_ids)) + cfg.response_length
+    decoder = fast_decoder(sampler, rank_rows.stop - rank_rows.start, longest) if cfg.static_cache else sampler
 
     def make_batch(i, stop):  # the producer: sample batch i, score it with the frozen models
         def between_steps():  # between decode steps: stop promptly on shutdown; take new weights if in-flight
@@ -1439,7 +1698,7 @@ def train(cfg: Config, run, output_dir: str, threaded=None, ctx: Dist = Dist()):
             t0, version = time.perf_counter(), sync.pull()
             rows = [next(order) for _ in range(cfg.batch_size)][rank_rows]
             ids, mask = left_pad([run.prompt_ids[r] for r in rows], tokenizer.pad_token_id, device)
-            batch = generate(sampler, ids, mask, max_new_tokens=cfg.response_length, temperature=cfg.temperature,
+            batch = generate(decoder, ids, mask, max_new_tokens=cfg.response_length, temperature=cfg.temperature,
                              eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, generator=sample_generator,
                              top_k=cfg.top_k, top_p=cfg.top_p, policy_version=version,
                              between_steps=between_steps)
@@ -1573,6 +1832,8 @@ def iteration_record(step, batch: Rollout, kl, stats, cfg: Config, iter_s, gen_s
             "kl": float(kl.sum(-1).mean()), "kl_per_token": float(masked_mean(kl, batch.response_mask)), **stats,
             "explained_variance": float(explained_variance(batch.values, batch.returns, batch.response_mask)),
             "response_length": response_tokens / batch.response.shape[0], "response_tokens": response_tokens,
+            # the share of a padded (B, P + T) forward that is padding: what --micro-batch-tokens does not compute
+            "padding_frac": 1.0 - sequence_tokens / (batch.response.shape[0] * (batch.prompt_ids.shape[1] + batch.response.shape[1])),
             "eos_fraction": float(batch.ended.float().mean()), "lr": lr, **batch.correction,
             "iter_s": iter_s, "gen_tokens_per_s": response_tokens / gen_s,
             "train_tokens_per_s": cfg.ppo_epochs * sequence_tokens / update_s,
@@ -1615,10 +1876,89 @@ def bench_overlap(cfg: Config, output_dir: str):
               f"{sum(r['weight_sync_ms'] for r in h) / len(h):>7.2f} | {sum(r['reward_mean'] for r in reached) / len(reached):.3f}")
 
 
+def timed(fn, device, reps=3):  # (median seconds of fn() over reps runs after one warm-up, fn's last result)
+    times, out = [], fn()
+    for _ in range(reps):
+        torch.cuda.synchronize(device) if device.type == "cuda" else None
+        t0 = time.perf_counter()
+        out = fn()
+        torch.cuda.synchronize(device) if device.type == "cuda" else None
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[reps // 2], out
+
+
+def bench_rollout(cfg: Config):
+    """--bench-rollout: (1) tokens/s of our sampler (fast_decoder, what the loop samples with) against transformers'
+    generate and our plain DynamicCache loop, on the sampler copy (bf16 on GPU), --batch-size prompts, every row
+    generating exactly --response-length tokens (EOS is ignored by all three); on CUDA also the decode step against
+    the weights-read bound (parameter bytes / measured copy bandwidth). (2) One PPO update on a batch whose sequence
+    lengths spread 4:1, padded (--micro-batch-size rows) against packed (the same token capacity per micro-batch, or
+    --micro-batch-tokens). The last line is the sampler ratio."""
+    run = setup(dataclasses.replace(cfg, demo_warmup_max_steps=0))  # speed does not depend on the weights
+    policy, tokenizer, device, B, T = run.policy, run.tokenizer, run.policy.device, cfg.batch_size, cfg.response_length
+    sampler = cast_parameters(copy.deepcopy(policy), torch.bfloat16 if device.type == "cuda" else policy.dtype).requires_grad_(False)
+    ids, mask = left_pad([run.prompt_ids[i % len(run.prompt_ids)] for i in range(B)], tokenizer.pad_token_id, device)
+    decoder = fast_decoder(sampler, B, ids.shape[1] + T)
+    ours = lambda d: generate(d, ids, mask, max_new_tokens=T, temperature=cfg.temperature, eos_id=-1,
+                              pad_id=tokenizer.pad_token_id, generator=torch.Generator(device).manual_seed(0))
+    with torch.no_grad():
+        hf = lambda: sampler.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=cfg.temperature,
+                                      top_k=0, top_p=1.0, max_new_tokens=T, min_new_tokens=T,
+                                      pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        seconds = {name: timed(fn, device)[0] for name, fn in (("HF generate", hf), ("plain loop", lambda: ours(sampler)),
+                                                               (type(decoder).__name__, lambda: ours(decoder)))}
+        prefill = timed(lambda: decoder.start(ids, mask), device)[0]
+    print(f"\nsampling {B} x {T} tokens after {ids.shape[1]}-token prompts, {sum(p.numel() for p in sampler.parameters()) / 1e6:.1f}M "
+          f"parameters in {sampler.dtype} on {device}:")
+    for name, s in seconds.items():
+        print(f"  {name:<14} {s * 1e3:9.1f} ms  {B * T / s:9.0f} tokens/s  {seconds['HF generate'] / s:5.2f}x")
+    if device.type == "cuda":  # the decode step cannot beat reading every weight once
+        param_bytes = sum(p.numel() * p.element_size() for p in sampler.parameters())
+        flat = torch.empty(param_bytes // 2, dtype=torch.bfloat16, device=device)
+        copy_s = timed(lambda: flat.clone(), device)[0]
+        bound = param_bytes / (2 * param_bytes / copy_s)  # read bandwidth from a copy (it reads and writes each byte)
+        step = (seconds[type(decoder).__name__] - prefill) / (T - 1)
+        print(f"  decode step {step * 1e3:.3f} ms vs weights-read bound {bound * 1e3:.3f} ms: {step / bound:.2f}x the bound")
+    # (2) packed vs padded training on a 4:1 spread of sequence lengths
+    L = min(getattr(policy.config, "max_position_embeddings", 256), 256 if device.type == "cuda" else 64)
+    g = torch.Generator().manual_seed(cfg.seed)
+    totals = torch.randint(L // 4, L + 1, (B,), generator=g)
+    prompt_lengths, response_lengths = totals // 2, totals - totals // 2
+    prompts = [torch.randint(3, len(tokenizer), (int(n),), generator=g).tolist() for n in prompt_lengths]
+    ids, mask = left_pad(prompts, tokenizer.pad_token_id, device)
+    Tmax = int(response_lengths.max())
+    response_mask = (torch.arange(Tmax)[None] < response_lengths[:, None]).long().to(device)
+    response = torch.randint(3, len(tokenizer), (B, Tmax), generator=g).to(device).masked_fill(response_mask == 0, tokenizer.pad_token_id)
+    rows = cfg.micro_batch_size or max(1, B // cfg.minibatches // 4)
+    results = {}
+    for name, c in (("padded", dataclasses.replace(cfg, micro_batch_size=rows, micro_batch_tokens=0)),
+                    ("packed", dataclasses.replace(cfg, micro_batch_size=0, micro_batch_tokens=cfg.micro_batch_tokens or rows * L))):
+        actor, reference = copy.deepcopy(policy), copy.deepcopy(run.reference)
+        if name == "packed":
+            use_packed_attention(backbone_of(actor))
+            use_packed_attention(backbone_of(reference))
+        critic = build_critic(actor)
+        batch = Rollout(ids, mask, response, response_mask, torch.zeros(B, Tmax, device=device), torch.zeros_like(response),
+                        torch.ones(B, dtype=torch.bool, device=device))
+        score_frozen(batch, reference, lambda b: torch.ones(B, device=device), c)
+        orders = [torch.randperm(B, generator=g) for _ in range(c.ppo_epochs)]
+        score_trainer(batch, actor, critic, c, orders[0])
+        optimizers = make_optimizers(c, actor, critic)[:2]
+        results[name] = timed(lambda: ppo_update(actor, critic, *optimizers, batch, c, orders), device, reps=2)[0]
+    real = int(mask.sum() + response_mask.sum())
+    print(f"PPO update ({cfg.ppo_epochs} epochs x {cfg.minibatches} minibatches) on {B} sequences of {L // 4}..{L} tokens "
+          f"({1 - real / (B * (ids.shape[1] + Tmax)):.0%} of the padded layout is padding):")
+    for name, s in results.items():
+        print(f"  {name:<7} {s * 1e3:9.1f} ms  {results['padded'] / s:5.2f}x")
+    print(f"sampler vs generate: {seconds['HF generate'] / seconds[type(decoder).__name__]:.2f}x")
+
+
 def main(argv=None):
     cfg = parse_config(argv)
     ctx = init_distributed(cfg)
     try:
+        if cfg.bench_rollout:  # (writes nothing)
+            return bench_rollout(cfg)
         output_dir = prepare_output_dir(cfg, ctx)
         if cfg.bench_overlap:
             return bench_overlap(cfg, output_dir)

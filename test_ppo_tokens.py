@@ -1246,3 +1246,108 @@ if __name__ == "__main__":  # torchrun test_ppo_tokens.py OUT: the two-rank half
     if ctx.rank == 0:
         torch.save({"advantages": advantages, "stats": stats, "weights": weights}, sys.argv[1])
     torch.distributed.destroy_process_group()
+
+
+
+@pytest.mark.parametrize("family,dtype,top_k", [("llama", torch.float64, 0), ("llama", torch.float32, 5),
+                                                ("gpt2", torch.float64, 0), ("sliding", torch.float64, 0)])
+def test_fast_sampler_gives_the_plain_loops_tokens_and_logprobs(tokenizer, family, dtype, top_k, capsys):
+    if family == "sliding":  # sliding-window layers: not supported, the check falls back to the plain loop
+        from transformers import MistralConfig, MistralForCausalLM
+        torch.manual_seed(2)
+        policy = MistralForCausalLM(MistralConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2,
+                                                  num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+                                                  sliding_window=3)).eval()
+    else:
+        policy = (tiny_gpt2 if family == "gpt2" else tiny_llama)(len(tokenizer), seed=2)
+    policy = policy.to(dtype)
+    texts = ["1+2=", "37+45=", "9+90=", "5+5=", "123+4=", "0+0="]  # ragged prompts: left padding in every batch
+    ids, mask = pt.left_pad(pt.format_prompts(tokenizer, texts, False, 64), tokenizer.pad_token_id, "cpu")
+    decoder = pt.fast_decoder(policy, len(texts), ids.shape[1] + 12)
+    fell_back = "fast sampler off for MistralForCausalLM" in capsys.readouterr().out
+    assert type(decoder) is (pt.PlainDecoder if family == "sliding" else pt.StaticDecoder) and fell_back == (family == "sliding")
+    batches = [pt.generate(sampler, ids, mask, max_new_tokens=10, temperature=0.9, eos_id=tokenizer.eos_token_id,
+                           pad_id=tokenizer.pad_token_id, generator=torch.Generator().manual_seed(7), top_k=top_k)
+               for sampler in (policy, decoder, decoder)]  # the decoder twice: its cache is reused between batches
+    assert not batches[0].response_mask.all()  # some rows ended early: pads after EOS
+    for fast in batches[1:]:
+        assert torch.equal(fast.response, batches[0].response) and torch.equal(fast.response_mask, batches[0].response_mask)
+        # the same tokens; the log-probs differ only by the attention's rounding over the longer preallocated cache
+        torch.testing.assert_close(fast.behav_logprobs, batches[0].behav_logprobs, rtol=0,
+                                   atol=1e-12 if dtype == torch.float64 else 1e-5)
+
+
+def ragged_batch(tokenizer, policy, n=7, T=6, seed=0):  # prompts of 3..12 tokens, responses of 1..T tokens
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(5, len(tokenizer), (int(k),), generator=g).tolist() for k in torch.randint(3, 13, (n,), generator=g)]
+    ids, mask = pt.left_pad(prompts, tokenizer.pad_token_id, "cpu")
+    lengths = torch.cat([torch.tensor([1, T]), torch.randint(1, T + 1, (n - 2,), generator=g)])  # a length-1 response
+    response_mask = (torch.arange(T)[None] < lengths[:, None]).long()
+    response = torch.where(response_mask.bool(), torch.randint(5, len(tokenizer), (n, T), generator=g), tokenizer.pad_token_id)
+    return pt.Rollout(ids, mask, response, response_mask, None, None, None)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_packed_scoring_equals_padded_scoring(tokenizer, family):
+    policy = (tiny_llama if family == "llama" else tiny_gpt2)(len(tokenizer), seed=3)  # float64
+    padded_critic = pt.build_critic(policy)
+    torch.nn.init.normal_(padded_critic.head.weight)  # a non-zero value head
+    padded = [pt.sequence_logprobs(policy, *pt.full_sequence(batch), batch.response, batch.response_mask, 0.8)
+              for batch in [ragged_batch(tokenizer, policy)]][0]
+    batch = ragged_batch(tokenizer, policy)
+    padded_values = pt.critic_values(padded_critic, batch)
+    pt.use_packed_attention(pt.backbone_of(policy))
+    critic = pt.build_critic(policy)
+    critic.head.weight.data.copy_(padded_critic.head.weight)
+    *inputs, layout = pt.pack_sequences(batch)
+    assert inputs[0].shape[1] == int(batch.prompt_mask.sum() + batch.response_mask.sum())  # no pads at all
+    packed = pt.sequence_logprobs(policy, *inputs, batch.response, batch.response_mask, 0.8, layout=layout)
+    for a, b in zip(packed, padded):  # log-probs and entropies; float64, so only summation order differs
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
+        assert (a[~batch.response_mask.bool()] == 0).all()
+    # the critic is float32 (build_critic): float32 rounding
+    torch.testing.assert_close(pt.critic_values(critic, batch, packed=True), padded_values, rtol=0, atol=1e-5)
+    cfg = SimpleNamespace(temperature=0.8, full_logits=True, micro_batch_tokens=64)  # the full-logits path packs too
+    torch.testing.assert_close(pt.rollout_logprobs(policy, batch, cfg)[0], padded[0], rtol=0, atol=1e-10)
+
+
+def test_token_budget_micro_batches_cover_every_token_once(tokenizer):
+    cfg = pt.Config(batch_size=28, minibatches=2, micro_batch_tokens=40)
+    g = torch.Generator().manual_seed(1)
+    batch = pt.Rollout(torch.ones(28, 12, dtype=torch.long), (torch.arange(12) >= 12 - torch.randint(1, 13, (28, 1), generator=g)).long(),
+                       torch.ones(28, 9, dtype=torch.long), (torch.arange(9) < torch.randint(1, 10, (28, 1), generator=g)).long(),
+                       None, None, None)
+    lengths = (batch.prompt_mask.sum(1) + batch.response_mask.sum(1)).tolist()
+    order = torch.randperm(28, generator=g)
+    groups = pt.micro_batch_rows(batch, order.split(14), cfg)
+    for minibatch, micro in zip(order.split(14), groups):
+        rows = torch.cat(micro)
+        assert sorted(rows.tolist()) == sorted(minibatch.tolist())  # every row (so every token) exactly once
+        assert all(sum(lengths[r] for r in m.tolist()) <= 40 for m in micro)  # within the budget
+        assert len(micro) > 1
+    bins = pt.token_budget_bins([5, 30, 7, 30, 2, 9], 40, bins=5)  # at least 5 bins (ranks that must agree)
+    assert len(bins) == 5 and sorted(i for b in bins for i in b) == list(range(6))
+    assert pt.token_budget_bins([50, 3], 40) == [[0], [1]]  # a row over the budget gets a micro-batch of its own
+
+
+def test_packed_training_matches_padded_training(tokenizer):
+    results = []
+    for packed in (False, True):
+        cfg, policy, reference, critic, batch = tiny_setup(tokenizer, **({"micro_batch_tokens": 40} if packed else {}))
+        if packed:
+            pt.use_packed_attention(pt.backbone_of(policy))
+            pt.use_packed_attention(critic.backbone)
+            pt.use_packed_attention(pt.backbone_of(reference))
+        orders = [torch.randperm(8, generator=torch.Generator().manual_seed(0)) for _ in range(cfg.ppo_epochs)]
+        score(batch, policy, reference, critic, lambda b: torch.arange(8.0), cfg, orders[0])
+        opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (policy, critic)]
+        stats = pt.ppo_update(policy, critic, *opts, batch, cfg, orders)
+        assert stats["first_ratio_max_dev"] == 0.0  # the packed scoring pass and the first epoch agree to the bit
+        results.append((batch, stats, [p.detach().clone() for p in policy.parameters()]))
+    (a, sa, wa), (b, sb, wb) = results
+    for name in ("old_logprobs", "values", "advantages"):
+        torch.testing.assert_close(getattr(b, name), getattr(a, name), rtol=1e-4, atol=1e-5)
+    for k in ("pg_loss", "vf_loss", "entropy"):
+        assert abs(sa[k] - sb[k]) < 1e-4, k
+    for x, y in zip(wa, wb):
+        torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-5)
