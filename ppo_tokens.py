@@ -395,12 +395,15 @@ def packed_attention(module, query, key, value, attention_mask, packed_layout=No
         q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # (N, heads, d)
         return flash_attn_varlen_func(q, k, v, layout["cu_seqlens"], layout["cu_seqlens"], layout["width"],
                                       layout["width"], softmax_scale=scaling, causal=True)[None], None
-    rows, width = layout["rows"], layout["width"]
-    padded = lambda x: x[0].transpose(0, 1)[layout["to_padded"]].view(rows, width, *x.shape[1:2], x.shape[3]).transpose(1, 2)
+    rows, width, to_packed = layout["rows"], layout["width"], layout["to_packed"]
+
+    def padded(x):  # (1, h, N, d) -> (rows, h, width, d): one sequence per row, zeros after it (index_copy and
+        x = x[0].transpose(0, 1)  # index_select: their backwards are a gather and an index_add, both cheap)
+        return x.new_zeros(rows * width, *x.shape[1:]).index_copy(0, to_packed, x).view(rows, width, *x.shape[1:]).transpose(1, 2)
     # right-padded rows need no mask: causal attention never looks at the pads after a sequence's last token
     out, _ = sdpa_attention_forward(module, padded(query), padded(key), padded(value), None, is_causal=True,
                                     scaling=scaling)  # (rows, width, heads, d)
-    return out.reshape(rows * width, *out.shape[2:])[layout["to_packed"]][None], None
+    return out.reshape(rows * width, *out.shape[2:]).index_select(0, to_packed)[None], None
 
 
 def use_packed_attention(backbone):
@@ -844,7 +847,7 @@ def pack_sequences(batch: Rollout):
     """The real tokens of a batch as one row, each sequence's prompt then response, back to back, with position ids
     restarting at 0 for each. Returns (input_ids (1, N), a dummy 4D mask that tells transformers not to build one,
     position_ids (1, N), layout): layout["predict"] (n,) the packed column whose hidden state predicts each real
-    response token (row-major), cu_seqlens for flash-attn, and the indices of the right-padded view for SDPA."""
+    response token (row-major), cu_seqlens for flash-attn, and where each token goes in the right-padded view."""
     input_ids, attention_mask, _ = full_sequence(batch)  # (B, L); each row's real tokens are contiguous
     real, device = attention_mask.bool(), input_ids.device
     lengths = real.sum(1)  # (B,)
@@ -857,7 +860,6 @@ def pack_sequences(batch: Rollout):
     inside = column < lengths[:, None]  # (B, width)
     layout = {"predict": predict[batch.response_mask.bool()], "rows": len(lengths), "width": width,
               "cu_seqlens": torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).int(),
-              "to_padded": torch.where(inside, starts[:, None] + column, 0).reshape(-1),  # (B * width,) into N
               "to_packed": (torch.arange(len(lengths), device=device)[:, None] * width + column)[inside]}  # (N,)
     return input_ids[real][None], real.new_ones(1, 1, 1, 1), position_ids[None], layout
 

@@ -636,8 +636,10 @@ def test_ratio_is_exactly_one_on_the_first_minibatch(tokenizer):
     assert stats["approx_kl"] > 0  # the later minibatches did move the policy
 
 
-def sgd_update(tokenizer, **cfg_overrides):  # one ppo_update with plain SGD (lr 1): the step is the gradient
+def sgd_update(tokenizer, prepare=None, **cfg_overrides):  # one ppo_update with plain SGD (lr 1): the step is the gradient
     cfg, policy, reference, critic, batch = tiny_setup(tokenizer, **cfg_overrides)
+    if prepare is not None:
+        prepare(policy, critic)
     orders = [torch.randperm(8, generator=torch.Generator().manual_seed(0)) for _ in range(cfg.ppo_epochs)]
     score(batch, policy, reference, critic, lambda b: torch.arange(8.0), cfg, orders[0])
     before = [p.detach().clone() for p in policy.parameters()]
@@ -1216,7 +1218,8 @@ def test_torchrun_two_ranks_ddp_and_fsdp2_train_resume_and_stay_identical(tmp_pa
     assert [r["step"] for r in read_metrics(tmp_path / "ddp")] == [0, 1, 2, 3]
     assert sorted(p.name for p in tmp_path.rglob("metrics.jsonl")) == ["metrics.jsonl"]  # written once, by rank 0
     check_outputs(tmp_path / "ddp", 3)
-    out = torchrun([*args, "--fsdp", "--output-dir", str(tmp_path / "fsdp")], tmp_path).stdout
+    packed = ["--micro-batch-size", "0", "--micro-batch-tokens", "40", "--gradient-checkpointing"]  # FSDP2 too
+    out = torchrun([*args, *packed, "--fsdp", "--output-dir", str(tmp_path / "fsdp")], tmp_path).stdout
     fsdp = digests(out)
     assert fsdp[0] == fsdp[1]
     resumed = torchrun([SCRIPT, "--resume", str(pt.checkpoints(tmp_path / "fsdp")[0])], tmp_path).stdout
@@ -1351,3 +1354,30 @@ def test_packed_training_matches_padded_training(tokenizer):
         assert abs(sa[k] - sb[k]) < 1e-4, k
     for x, y in zip(wa, wb):
         torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-5)
+
+
+
+def test_gradient_checkpointing_and_bf16_autocast_keep_the_update(tokenizer):
+    _, plain = sgd_update(tokenizer, ppo_epochs=1, minibatches=1)
+    calls = []
+
+    def checkpoint(policy, critic):
+        for model in (policy, critic):
+            pt.checkpoint_layers(model)
+        mlp = pt.decoder_layers(policy)[0].mlp
+        forward = mlp.forward
+        mlp.forward = lambda *a, **k: (calls.append(torch.is_grad_enabled()), forward(*a, **k))[1]
+
+    _, checkpointed = sgd_update(tokenizer, prepare=checkpoint, ppo_epochs=1, minibatches=1)
+    assert calls == [False, True, True]  # scoring, the training forward, its recomputation in the backward
+    for a, b in zip(plain, checkpointed):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+    stats, bf16 = sgd_update(tokenizer, bf16=True, ppo_epochs=1, minibatches=1)
+    assert stats["first_ratio_max_dev"] == 0.0  # scoring and the first epoch run under the same autocast
+    flat = lambda steps: torch.cat([s.reshape(-1) for s in steps])
+    assert torch.nn.functional.cosine_similarity(flat(bf16), flat(plain), dim=0) > 0.99
+    cfg, policy, _, _, batch = tiny_setup(tokenizer, bf16=True)
+    exact = pt.rollout_logprobs(policy, batch, cfg)[0]
+    with pt.autocast(cfg, torch.device("cpu")):
+        mixed = pt.rollout_logprobs(policy, batch, cfg)[0]
+    assert mixed.dtype == torch.float32 and 0 < float((mixed - exact).detach().abs().max()) < 0.05  # bf16 body, fp32 head
