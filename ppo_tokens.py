@@ -11,8 +11,10 @@ With --max-staleness k > 0 a sampler copy of the policy generates ahead of the t
 stream), at most k policy versions behind, and the decoupled PPO objective corrects for the staleness. Under torchrun
 every rank samples its slice of each batch and the actor and critic train data-parallel (DDP, or FSDP2 with --fsdp).
 --save-every / --resume checkpoint and continue a run exactly; SIGINT/SIGTERM checkpoint and exit 0.
-Deliberately left out (for now): packed (padding-free) training, CUDA-graph decoding, bf16 autocast for training
-(policy and critic train in fp32; the sampler copy is bf16 on GPU).
+The sampler decodes with a preallocated KV cache (a CUDA graph per step on GPU); --micro-batch-tokens packs each
+micro-batch's real tokens into one padding-free sequence; --bf16 and --gradient-checkpointing trade precision and
+compute for memory. Deliberately left out: pure-bf16 weights (policy and critic keep fp32 master weights and AdamW;
+the sampler copy is bf16 on GPU), paged attention / continuous batching in the sampler.
 
 Run it:
     python ppo_tokens.py                                    # built-in CPU demo: a 0.6M-parameter Llama learns addition
@@ -23,6 +25,7 @@ Run it:
     torchrun --standalone --nproc_per_node 8 ppo_tokens.py --model ... # one node, 8 GPUs (--fsdp to shard)
     torchrun --nnodes 2 --nproc_per_node 8 --rdzv-id JOB --rdzv-backend c10d --rdzv-endpoint HOST:PORT ppo_tokens.py ...
     python ppo_tokens.py --resume runs/X                    # continue a run from its newest checkpoint
+    python ppo_tokens.py --bench-rollout                    # our sampler vs HF generate; packed vs padded updates
     python ppo_tokens.py --help                             # every flag with its comment
 The numbers quoted in README.md come from the commands listed there, on the machines named there.
 """
@@ -387,12 +390,16 @@ def packed_attention(module, query, key, value, attention_mask, packed_layout=No
     """A transformers attention function (registered as "ppo_packed"); plain SDPA for unpacked calls (the sampler,
     padded forwards). query (1, heads, N, d), key and value (1, kv_heads, N, d). Returns ((1, N, heads, d), None)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    if packed_layout is None:
+    if packed_layout is None:  # (pack_sequences' empty mask cannot pass for a real one: SDPA would fail on it)
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    if kwargs.get("sliding_window") is not None:
+        raise ValueError("sliding-window attention is not supported packed")
     layout, scaling = packed_layout, kwargs.get("scaling")
-    if query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and importlib.util.find_spec("flash_attn"):
+    # under --bf16 autocast q and k leave RoPE in fp32 while v is bf16: flash-attn gets all three in the autocast dtype
+    dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else query.dtype
+    if query.is_cuda and dtype in (torch.bfloat16, torch.float16) and importlib.util.find_spec("flash_attn"):
         from flash_attn import flash_attn_varlen_func
-        q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # (N, heads, d)
+        q, k, v = (x[0].transpose(0, 1).to(dtype) for x in (query, key, value))  # (N, heads, d)
         return flash_attn_varlen_func(q, k, v, layout["cu_seqlens"], layout["cu_seqlens"], layout["width"],
                                       layout["width"], softmax_scale=scaling, causal=True)[None], None
     rows, width, to_packed = layout["rows"], layout["width"], layout["to_packed"]
@@ -421,12 +428,15 @@ def use_packed_attention(backbone):
     check = Rollout(ids[:, :3], torch.tensor([[0, 1, 1], [1, 1, 1]], device=device), ids[:, 3:],
                     torch.tensor([[1, 1], [1, 0]], device=device), None, None, None)
     input_ids, attention_mask, position_ids = full_sequence(check)
-    with torch.no_grad():
-        padded = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                          use_cache=False).last_hidden_state[attention_mask.bool()]
-        *inputs, layout = pack_sequences(check)
-        packed = backbone(*inputs[:1], attention_mask=inputs[1], position_ids=inputs[2], use_cache=False,
-                          packed_layout=layout).last_hidden_state[0]
+    try:
+        with torch.no_grad():
+            padded = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                              use_cache=False).last_hidden_state[attention_mask.bool()]
+            *inputs, layout = pack_sequences(check)
+            packed = backbone(*inputs[:1], attention_mask=inputs[1], position_ids=inputs[2], use_cache=False,
+                              packed_layout=layout).last_hidden_state[0]
+    except (ValueError, RuntimeError) as e:
+        raise SystemExit(f"--micro-batch-tokens: {type(backbone).__name__} cannot run packed ({e}); leave it at 0")
     if not torch.allclose(packed.float(), padded.float(), atol=1e-3):
         raise SystemExit(f"--micro-batch-tokens: packed sequences give other hidden states than padded ones in "
                          f"{type(backbone).__name__} ({float((packed - padded).abs().max()):.2g}); leave it at 0")
@@ -445,6 +455,18 @@ def checkpoint_layers(model):
         return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
     for layer in decoder_layers(model):
         layer.forward = functools.partial(checkpointed, layer.forward)
+
+
+def fp32_head(model):
+    """--bf16: the lm_head (and the logit post-processing after it) runs outside autocast in fp32, also on the
+    full-logits path; the fused path reads lm_head.weight itself and does the same."""
+    head = model.get_output_embeddings()
+    forward = head.forward
+
+    def fp32_forward(hidden):
+        with torch.autocast(hidden.device.type, enabled=False):
+            return forward(hidden.to(head.weight.dtype))
+    head.forward = fp32_forward
 
 
 def autocast(cfg: Config, device):  # --bf16: the trainer's forwards in bf16 autocast, its weights and Adam in fp32
@@ -670,7 +692,7 @@ class StaticDecoder(PlainDecoder):
     a ready 4D boolean mask through SDPA (Llama, Qwen2/3, Mistral, ...); `fast_decoder` checks a model against the
     plain loop once and falls back to PlainDecoder with a message otherwise."""
 
-    def __init__(self, model, batch_size: int, max_len: int, graphs: bool):
+    def __init__(self, model, batch_size: int, max_len: int):
         from transformers import StaticCache
         super().__init__(model)
         device, self.max_len = model.device, max_len
@@ -681,16 +703,18 @@ class StaticDecoder(PlainDecoder):
         self.column = torch.zeros(1, dtype=torch.long, device=device)  # the cache column the next token goes to
         self.graph = None
         self.start(self.token, torch.ones_like(self.token))  # allocates the cache (transformers does it lazily)
-        if graphs:  # warm up on a side stream (as torch.cuda.graphs requires), then capture one step
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    self._step()
-            torch.cuda.current_stream().wait_stream(side)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):  # the trainer thread runs on
+
+    def capture(self):  # CUDA: record one decode step as a graph, after a warm-up on a side stream (as required)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # the outer context: a failed capture still gives the stream back
+            for _ in range(2):
+                self._step()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):  # other threads may run
                 self.logits = self._step()
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = graph
 
     def start(self, prompt_ids, prompt_mask):
         B, P = prompt_ids.shape
@@ -722,24 +746,38 @@ class StaticDecoder(PlainDecoder):
                           **self.cache, **self.keep).logits[:, -1]
 
 
+def agrees_with_plain_loop(decoder, model, batch_size: int):  # raises if decoder's logits are not the plain loop's
+    ids = torch.randint(0, model.config.vocab_size, (batch_size, 3), device=model.device)
+    mask = torch.ones_like(ids)
+    mask[0, 0] = 0  # a left pad
+    outputs = [[d.start(ids, mask), d.step(ids[:, 1]).clone(), d.step(ids[:, 2])] for d in (decoder, PlainDecoder(model))]
+    for a, b in zip(*outputs):  # fp32: log-probs within 1e-3; bf16 (one rounding step can be 0.25): distributions
+        a, b = torch.log_softmax(a.float(), -1), torch.log_softmax(b.float(), -1)  # within 0.02 total variation
+        diff = (a - b).abs().max() if model.dtype == torch.float32 else 0.5 * (a.exp() - b.exp()).abs().sum(-1).max()
+        if diff > (1e-3 if model.dtype == torch.float32 else 0.02):
+            raise ValueError(f"its next-token distributions differ from the plain loop's by {float(diff):.3g}")
+
+
 @torch.no_grad()
 def fast_decoder(model, batch_size: int, max_len: int):
-    """A StaticDecoder for model (CUDA graph on GPU) if it gives the plain loop's logits on a test batch, else a
-    PlainDecoder, with a message that says why."""
+    """A StaticDecoder for model, with a CUDA graph on GPU, when it gives the plain loop's logits on a test batch;
+    else a PlainDecoder (or no graph), with a message that says why."""
     try:
-        decoder = StaticDecoder(model, batch_size, max(max_len, 4), graphs=model.device.type == "cuda")
-        ids = torch.randint(0, model.config.vocab_size, (batch_size, 3), device=model.device)
-        mask = torch.ones_like(ids)
-        mask[0, 0] = 0  # a left pad
-        outputs = [[d.start(ids, mask), d.step(ids[:, 1]).clone(), d.step(ids[:, 2])] for d in (decoder, PlainDecoder(model))]
-        diff = max(float((torch.log_softmax(a.float(), -1) - torch.log_softmax(b.float(), -1)).abs().max())
-                   for a, b in zip(*outputs))
-        if diff > (1e-3 if model.dtype == torch.float32 else 0.25):
-            raise ValueError(f"its log-probs differ from the plain loop's by {diff:.3g}")
-        return decoder
+        decoder = StaticDecoder(model, batch_size, max(max_len, 5))  # (the check writes 5 columns)
+        agrees_with_plain_loop(decoder, model, batch_size)
     except Exception as e:  # a model family the fast path does not support: sample with the plain loop
         print(f"fast sampler off for {type(model).__name__} ({str(e).splitlines()[0][:200]}); using the plain decode loop")
         return PlainDecoder(model)
+    if model.device.type == "cuda":
+        try:
+            decoder.capture()
+            agrees_with_plain_loop(decoder, model, batch_size)
+        except Exception as e:  # e.g. a host sync inside the model's forward (dynamic RoPE)
+            torch.cuda.synchronize()
+            decoder.graph = None
+            print(f"CUDA graph off for {type(model).__name__} ({str(e).splitlines()[0][:200]}); the static cache "
+                  "decodes eagerly")
+    return decoder
 
 
 @torch.no_grad()
@@ -845,7 +883,7 @@ def rollout_logprobs(model, batch: Rollout, cfg: Config):  # (logprobs, entropy)
 
 def pack_sequences(batch: Rollout):
     """The real tokens of a batch as one row, each sequence's prompt then response, back to back, with position ids
-    restarting at 0 for each. Returns (input_ids (1, N), a dummy 4D mask that tells transformers not to build one,
+    restarting at 0 for each. Returns (input_ids (1, N), an empty 4D mask that tells transformers not to build one,
     position_ids (1, N), layout): layout["predict"] (n,) the packed column whose hidden state predicts each real
     response token (row-major), cu_seqlens for flash-attn, and where each token goes in the right-padded view."""
     input_ids, attention_mask, _ = full_sequence(batch)  # (B, L); each row's real tokens are contiguous
@@ -861,7 +899,7 @@ def pack_sequences(batch: Rollout):
     layout = {"predict": predict[batch.response_mask.bool()], "rows": len(lengths), "width": width,
               "cu_seqlens": torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).int(),
               "to_packed": (torch.arange(len(lengths), device=device)[:, None] * width + column)[inside]}  # (N,)
-    return input_ids[real][None], real.new_ones(1, 1, 1, 1), position_ids[None], layout
+    return input_ids[real][None], real.new_ones(1, 1, 0, 0), position_ids[None], layout
 
 
 def full_sequence(batch: Rollout):  # prompt + response as one left-padded sequence, its mask and position ids
@@ -1663,6 +1701,8 @@ def train(cfg: Config, run, output_dir: str, threaded=None, ctx: Dist = Dist()):
     sync = WeightSync(policy, sampler, sharded=cfg.fsdp and torch.distributed.is_initialized())  # packs the weights
     for model in (policy, run.critic) if cfg.gradient_checkpointing else ():  # (not the sampler copy, made above)
         checkpoint_layers(model)
+    if cfg.bf16:
+        fp32_head(policy)
     actor, critic = wrap_for_training(Actor(policy, cfg.temperature, cfg.full_logits), cfg), wrap_for_training(run.critic, cfg)
     policy_opt, critic_opt, schedules = make_optimizers(cfg, actor, critic)
     # the same prompt order on every rank, each taking its slice; sampling differs per rank (a seed offset)
@@ -1900,7 +1940,7 @@ def bench_rollout(cfg: Config):
     policy, tokenizer, device, B, T = run.policy, run.tokenizer, run.policy.device, cfg.batch_size, cfg.response_length
     sampler = cast_parameters(copy.deepcopy(policy), torch.bfloat16 if device.type == "cuda" else policy.dtype).requires_grad_(False)
     ids, mask = left_pad([run.prompt_ids[i % len(run.prompt_ids)] for i in range(B)], tokenizer.pad_token_id, device)
-    decoder = fast_decoder(sampler, B, ids.shape[1] + T)
+    decoder = fast_decoder(sampler, B, max(map(len, run.prompt_ids)) + T)  # sized as train() sizes it
     ours = lambda d: generate(d, ids, mask, max_new_tokens=T, temperature=cfg.temperature, eos_id=-1,
                               pad_id=tokenizer.pad_token_id, generator=torch.Generator(device).manual_seed(0))
     with torch.no_grad():
@@ -1919,7 +1959,7 @@ def bench_rollout(cfg: Config):
         flat = torch.empty(param_bytes // 2, dtype=torch.bfloat16, device=device)
         copy_s = timed(lambda: flat.clone(), device)[0]
         bound = param_bytes / (2 * param_bytes / copy_s)  # read bandwidth from a copy (it reads and writes each byte)
-        step = (seconds[type(decoder).__name__] - prefill) / (T - 1)
+        step = (seconds[type(decoder).__name__] - prefill) / max(1, T - 1)
         print(f"  decode step {step * 1e3:.3f} ms vs weights-read bound {bound * 1e3:.3f} ms: {step / bound:.2f}x the bound")
     # (2) packed vs padded training on a 4:1 spread of sequence lengths
     L = min(getattr(policy.config, "max_position_embeddings", 256), 256 if device.type == "cuda" else 64)
@@ -1932,24 +1972,27 @@ def bench_rollout(cfg: Config):
     response_mask = (torch.arange(Tmax)[None] < response_lengths[:, None]).long().to(device)
     response = torch.randint(3, len(tokenizer), (B, Tmax), generator=g).to(device).masked_fill(response_mask == 0, tokenizer.pad_token_id)
     rows = cfg.micro_batch_size or max(1, B // cfg.minibatches // 4)
-    results = {}
+    budget = cfg.micro_batch_tokens or rows * (ids.shape[1] + Tmax)  # the padded micro-batch's token capacity
+    orders, results = [torch.randperm(B, generator=g) for _ in range(cfg.ppo_epochs)], {}
     for name, c in (("padded", dataclasses.replace(cfg, micro_batch_size=rows, micro_batch_tokens=0)),
-                    ("packed", dataclasses.replace(cfg, micro_batch_size=0, micro_batch_tokens=cfg.micro_batch_tokens or rows * L))):
+                    ("packed", dataclasses.replace(cfg, micro_batch_size=0, micro_batch_tokens=budget))):
         actor, reference = copy.deepcopy(policy), copy.deepcopy(run.reference)
         if name == "packed":
             use_packed_attention(backbone_of(actor))
             use_packed_attention(backbone_of(reference))
         critic = build_critic(actor)
+        for model in (actor, critic) if cfg.gradient_checkpointing else ():
+            checkpoint_layers(model)
         batch = Rollout(ids, mask, response, response_mask, torch.zeros(B, Tmax, device=device), torch.zeros_like(response),
                         torch.ones(B, dtype=torch.bool, device=device))
         score_frozen(batch, reference, lambda b: torch.ones(B, device=device), c)
-        orders = [torch.randperm(B, generator=g) for _ in range(c.ppo_epochs)]
         score_trainer(batch, actor, critic, c, orders[0])
         optimizers = make_optimizers(c, actor, critic)[:2]
-        results[name] = timed(lambda: ppo_update(actor, critic, *optimizers, batch, c, orders), device, reps=2)[0]
+        results[name] = timed(lambda: ppo_update(actor, critic, *optimizers, batch, c, orders), device)[0]
     real = int(mask.sum() + response_mask.sum())
     print(f"PPO update ({cfg.ppo_epochs} epochs x {cfg.minibatches} minibatches) on {B} sequences of {L // 4}..{L} tokens "
-          f"({1 - real / (B * (ids.shape[1] + Tmax)):.0%} of the padded layout is padding):")
+          f"({1 - real / (B * (ids.shape[1] + Tmax)):.0%} of the padded layout is padding), {rows} rows or {budget} "
+          "tokens per micro-batch:")
     for name, s in results.items():
         print(f"  {name:<7} {s * 1e3:9.1f} ms  {results['padded'] / s:5.2f}x")
     print(f"sampler vs generate: {seconds['HF generate'] / seconds[type(decoder).__name__]:.2f}x")

@@ -1312,6 +1312,11 @@ def test_packed_scoring_equals_padded_scoring(tokenizer, family):
     torch.testing.assert_close(pt.critic_values(critic, batch, packed=True), padded_values, rtol=0, atol=1e-5)
     cfg = SimpleNamespace(temperature=0.8, full_logits=True, micro_batch_tokens=64)  # the full-logits path packs too
     torch.testing.assert_close(pt.rollout_logprobs(policy, batch, cfg)[0], padded[0], rtol=0, atol=1e-10)
+    from transformers import MistralConfig, MistralForCausalLM  # sliding windows are refused, not silently ignored
+    sliding = MistralForCausalLM(MistralConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1,
+                                               num_attention_heads=4, num_key_value_heads=2, sliding_window=3))
+    with pytest.raises(SystemExit, match="cannot run packed"):
+        pt.use_packed_attention(pt.backbone_of(sliding))
 
 
 def test_token_budget_micro_batches_cover_every_token_once(tokenizer):
@@ -1376,8 +1381,12 @@ def test_gradient_checkpointing_and_bf16_autocast_keep_the_update(tokenizer):
     assert stats["first_ratio_max_dev"] == 0.0  # scoring and the first epoch run under the same autocast
     flat = lambda steps: torch.cat([s.reshape(-1) for s in steps])
     assert torch.nn.functional.cosine_similarity(flat(bf16), flat(plain), dim=0) > 0.99
-    cfg, policy, _, _, batch = tiny_setup(tokenizer, bf16=True)
-    exact = pt.rollout_logprobs(policy, batch, cfg)[0]
-    with pt.autocast(cfg, torch.device("cpu")):
-        mixed = pt.rollout_logprobs(policy, batch, cfg)[0]
-    assert mixed.dtype == torch.float32 and 0 < float((mixed - exact).detach().abs().max()) < 0.05  # bf16 body, fp32 head
+    for full_logits in (False, True):
+        cfg, policy, _, _, batch = tiny_setup(tokenizer, bf16=True, full_logits=full_logits)
+        pt.fp32_head(policy)  # what train() does under --bf16
+        exact = pt.rollout_logprobs(policy, batch, cfg)[0]
+        with pt.autocast(cfg, torch.device("cpu")):
+            logits = policy(*pt.full_sequence(batch)).logits
+            mixed = pt.rollout_logprobs(policy, batch, cfg)[0]
+        assert logits.dtype == torch.float32 and mixed.dtype == torch.float32  # bf16 body, fp32 head
+        assert 0 < float((mixed - exact).detach().abs().max()) < 0.05
