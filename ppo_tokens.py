@@ -345,25 +345,22 @@ def sequence_logprobs(model, input_ids, attention_mask, position_ids, response, 
     layout: the inputs are one packed row (pack_sequences); the hidden states at layout["predict"] predict the real
     response tokens, in row-major order."""
     mask = response_mask.bool()
-    packing = {} if layout is None else {"packed_layout": layout}
+    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
     if layout is None:  # (B, T, H) hidden states and what they predict
         select, targets, kept, target_mask = (lambda h: h[:, input_ids.shape[1] - response.shape[1] - 1:-1]), response, kept_ids, mask
     else:  # (1, n, H): the n real response tokens only
-        select, targets, target_mask = (lambda h: h[:, layout["predict"]]), response[mask][None], None
-        kept = None if kept_ids is None else kept_ids[mask][None]
+        inputs["packed_layout"], targets, target_mask = layout, response[mask][None], None
+        select, kept = (lambda h: h[:, layout["predict"]]), (None if kept_ids is None else kept_ids[mask][None])
     # fused path when logits are exactly hidden @ W.T: kernels.linear_token_logprobs never holds the [tokens, vocab]
     # logits. Not for models that post-process their logits (Gemma 2, Cohere, Granite rescale them).
     head, post = getattr(model, "lm_head", None), ("final_logit_softcapping", "logit_scale", "logits_scaling")
     if not full_logits and isinstance(head, nn.Linear) and head.bias is None and \
             all(getattr(getattr(model, "config", None), k, None) in (None, 1.0) for k in post):
-        hidden = select(backbone_of(model)(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                           use_cache=False, **packing).last_hidden_state)
+        hidden = select(backbone_of(model)(**inputs).last_hidden_state)
         with torch.autocast(hidden.device.type, enabled=False):  # --bf16: the head stays fp32 (logits in fp32)
             out = linear_token_logprobs(hidden.to(head.weight.dtype), head.weight, targets, temperature, mask=target_mask, kept_ids=kept)
     else:
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
-                       **packing).logits
-        out = token_logprobs(select(logits), targets, temperature, mask=target_mask, kept_ids=kept)  # (B, T) x2
+        out = token_logprobs(select(model(**inputs).logits), targets, temperature, mask=target_mask, kept_ids=kept)
     return out if layout is None else tuple(torch.zeros_like(mask, dtype=o.dtype).masked_scatter(mask, o[0]) for o in out)
 
 
@@ -477,25 +474,14 @@ def autocast(cfg: Config, device):  # --bf16: the trainer's forwards in bf16 aut
 # prompts and rewards
 
 
-def demo_pairs(eval_size: int):
-    """All (a, b) with a, b in 0..99, split once into a fixed held-out set (same for every --seed, so evaluations
-    compare across runs) and the training set, never overlapping."""
-    pairs = [(a, b) for a in range(100) for b in range(100)]
-    order = torch.randperm(len(pairs), generator=torch.Generator().manual_seed(1234)).tolist()
-    return [pairs[i] for i in order[eval_size:]], [pairs[i] for i in order[:eval_size]]  # train, held-out
-
-
 def addition_prompt(a: int, b: int) -> str:
     return f"{a}+{b}="
 
 
 def addition_reward(prompts, completions):
     """The demo's verifiable reward: 1 for the exact sum, else 0 (setup() also requires the EOS)."""
-    out = []
-    for prompt, completion in zip(prompts, completions):
-        a, b = prompt.rstrip("=").split("+")
-        out.append(1.0 if completion.strip() == str(int(a) + int(b)) else 0.0)
-    return out
+    pairs = (prompt.rstrip("=").split("+") for prompt in prompts)
+    return [1.0 if c.strip() == str(int(a) + int(b)) else 0.0 for (a, b), c in zip(pairs, completions)]
 
 
 def load_prompts(path: str):
@@ -689,8 +675,7 @@ class StaticDecoder(PlainDecoder):
     decode step allocates nothing and never waits for the host; on CUDA the step is captured once as a CUDA graph
     and replayed (one launch instead of ~10 kernels per layer, each with its Python dispatch). One decoder serves
     every batch of batch_size rows whose prompt + response fit in max_len. It needs full-attention layers that take
-    a ready 4D boolean mask through SDPA (Llama, Qwen2/3, Mistral, ...); `fast_decoder` checks a model against the
-    plain loop once and falls back to PlainDecoder with a message otherwise."""
+    a ready 4D boolean mask through SDPA (Llama, Qwen2/3, Mistral, ...), which fast_decoder checks."""
 
     def __init__(self, model, batch_size: int, max_len: int):
         from transformers import StaticCache
@@ -785,8 +770,7 @@ def generate(sampler, prompt_ids, prompt_mask, *, max_new_tokens, temperature, e
              top_k=0, top_p=1.0, policy_version=0, between_steps=None):
     """Batched sampling, our own loop (not model.generate, so every detail is visible): left-padded prompts with
     position ids cumsum(mask) - 1, logits / temperature, optional top-k/top-p, per-row stop at EOS with pad after it,
-    and each token's log-prob recorded at sampling time by the same function the trainer scores with. No host sync
-    in a step: the batch-level early exit (every row has ended) is checked every 4 steps.
+    and each token's log-prob recorded at sampling time by the same function the trainer scores with.
     sampler: a model (the plain loop) or a decoder (PlainDecoder / StaticDecoder, e.g. from fast_decoder).
     between_steps: called between decode steps, returns the sampler's policy version (in-flight weight updates: the
     KV cache keeps the old weights' keys and values, as in PipelineRL; every token is tagged with its version)."""
@@ -1223,11 +1207,9 @@ def flatten_parameters(model):
     if len({p.dtype for p in params}) != 1:
         raise SystemExit(f"the packed weight sync needs one parameter dtype, got {sorted({str(p.dtype) for p in params})}")
     flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
-    offset = 0
-    for p in params:
-        flat[offset:offset + p.numel()].copy_(p.detach().reshape(-1))
-        p.data = flat[offset:offset + p.numel()].view_as(p)
-        offset += p.numel()
+    for p, view in zip(params, flat.split([p.numel() for p in params])):
+        view.copy_(p.detach().reshape(-1))
+        p.data = view.view_as(p)
     return flat
 
 
@@ -1261,10 +1243,8 @@ class WeightSync:
         if src is not None:
             dst.copy_(src)
         else:
-            offset = 0
-            for p in self.policy.parameters():
-                dst[offset:offset + p.numel()].copy_(getattr(p, "full_tensor", lambda: p)().reshape(-1))
-                offset += p.numel()
+            for p, view in zip(self.policy.parameters(), dst.split([p.numel() for p in self.policy.parameters()])):
+                view.copy_(getattr(p, "full_tensor", lambda: p)().reshape(-1))
         if self.cuda:
             end.record()
         self.seconds[name] = time.perf_counter() - t0  # (CUDA: replaced by the device time in sync_ms)
@@ -1613,7 +1593,9 @@ def setup(cfg: Config, ctx: Dist = Dist()):
     policy.to(device, torch.float32).eval()  # fp32 master weights (bf16 Adam updates round away); eval: no dropout
     run = dict(tokenizer=tokenizer, policy=policy, eval_ids=None, eval_texts=None, prompt_texts=prompt_texts)
     if not cfg.prompts:
-        train_pairs, eval_pairs = demo_pairs(cfg.eval_size)
+        # all (a, b) in 0..99 x 0..99, split into training and held-out pairs once: the same split for every --seed
+        pairs = [divmod(i, 100) for i in torch.randperm(10_000, generator=torch.Generator().manual_seed(1234)).tolist()]
+        train_pairs, eval_pairs = pairs[cfg.eval_size:], pairs[:cfg.eval_size]
         run["prompt_texts"] = [addition_prompt(a, b) for a, b in train_pairs]
         run["eval_texts"] = [addition_prompt(a, b) for a, b in eval_pairs]
         run["eval_ids"] = format_prompts(tokenizer, run["eval_texts"], cfg.chat_template, cfg.max_prompt_length)
@@ -1932,10 +1914,9 @@ def timed(fn, device, reps=3):  # (median seconds of fn() over reps runs after o
 def bench_rollout(cfg: Config):
     """--bench-rollout: (1) tokens/s of our sampler (fast_decoder, what the loop samples with) against transformers'
     generate and our plain DynamicCache loop, on the sampler copy (bf16 on GPU), --batch-size prompts, every row
-    generating exactly --response-length tokens (EOS is ignored by all three); on CUDA also the decode step against
-    the weights-read bound (parameter bytes / measured copy bandwidth). (2) One PPO update on a batch whose sequence
-    lengths spread 4:1, padded (--micro-batch-size rows) against packed (the same token capacity per micro-batch, or
-    --micro-batch-tokens). The last line is the sampler ratio."""
+    generating exactly --response-length tokens (EOS ignored by all three); on CUDA also the decode step against the
+    weights-read bound (parameter bytes / measured copy bandwidth). (2) One PPO update on a batch whose sequence
+    lengths spread 4:1, padded (--micro-batch-size rows) vs packed (same token capacity, or --micro-batch-tokens)."""
     run = setup(dataclasses.replace(cfg, demo_warmup_max_steps=0))  # speed does not depend on the weights
     policy, tokenizer, device, B, T = run.policy, run.tokenizer, run.policy.device, cfg.batch_size, cfg.response_length
     sampler = cast_parameters(copy.deepcopy(policy), torch.bfloat16 if device.type == "cuda" else policy.dtype).requires_grad_(False)
