@@ -455,8 +455,8 @@ def checkpoint_layers(model):
 
 
 def fp32_head(model):
-    """--bf16: the lm_head (and the logit post-processing after it) runs outside autocast in fp32, also on the
-    full-logits path; the fused path reads lm_head.weight itself and does the same."""
+    """--bf16: the lm_head runs outside autocast in fp32, so the full-logits path gets fp32 logits (autocast leaves a
+    model's logit post-processing, softcapping or scaling, in its input's dtype); the fused path does the same."""
     head = model.get_output_embeddings()
     forward = head.forward
 
@@ -702,7 +702,7 @@ class StaticDecoder(PlainDecoder):
         self.graph = graph
 
     def start(self, prompt_ids, prompt_mask):
-        B, P = prompt_ids.shape
+        P = prompt_ids.shape[1]
         self.cache[self.cache_kwarg].reset()  # zeroes in place: the graph's addresses stay valid
         self.mask.zero_()
         self.mask[:, :P] = prompt_mask.bool()
