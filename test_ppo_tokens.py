@@ -1280,7 +1280,7 @@ def test_fast_sampler_gives_the_plain_loops_tokens_and_logprobs(tokenizer, famil
                                    atol=1e-12 if dtype == torch.float64 else 1e-5)
 
 
-def ragged_batch(tokenizer, policy, n=7, T=6, seed=0):  # prompts of 3..12 tokens, responses of 1..T tokens
+def ragged_batch(tokenizer, n=7, T=6, seed=0):  # prompts of 3..12 tokens, responses of 1..T tokens
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(5, len(tokenizer), (int(k),), generator=g).tolist() for k in torch.randint(3, 13, (n,), generator=g)]
     ids, mask = pt.left_pad(prompts, tokenizer.pad_token_id, "cpu")
@@ -1295,16 +1295,18 @@ def test_packed_scoring_equals_padded_scoring(tokenizer, family):
     policy = (tiny_llama if family == "llama" else tiny_gpt2)(len(tokenizer), seed=3)  # float64
     padded_critic = pt.build_critic(policy)
     torch.nn.init.normal_(padded_critic.head.weight)  # a non-zero value head
-    padded = [pt.sequence_logprobs(policy, *pt.full_sequence(batch), batch.response, batch.response_mask, 0.8)
-              for batch in [ragged_batch(tokenizer, policy)]][0]
-    batch = ragged_batch(tokenizer, policy)
+    batch = ragged_batch(tokenizer)
+    batch.kept_ids = make_kept(batch.response.reshape(-1), len(tokenizer), 5).view(*batch.response.shape, 5)  # top-k
+    padded = pt.sequence_logprobs(policy, *pt.full_sequence(batch), batch.response, batch.response_mask, 0.8,
+                                  batch.kept_ids)
     padded_values = pt.critic_values(padded_critic, batch)
     pt.use_packed_attention(pt.backbone_of(policy))
     critic = pt.build_critic(policy)
     critic.head.weight.data.copy_(padded_critic.head.weight)
     *inputs, layout = pt.pack_sequences(batch)
     assert inputs[0].shape[1] == int(batch.prompt_mask.sum() + batch.response_mask.sum())  # no pads at all
-    packed = pt.sequence_logprobs(policy, *inputs, batch.response, batch.response_mask, 0.8, layout=layout)
+    packed = pt.sequence_logprobs(policy, *inputs, batch.response, batch.response_mask, 0.8, batch.kept_ids,
+                                  layout=layout)
     for a, b in zip(packed, padded):  # log-probs and entropies; float64, so only summation order differs
         torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
         assert (a[~batch.response_mask.bool()] == 0).all()
