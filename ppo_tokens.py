@@ -169,7 +169,7 @@ def check_config(cfg: Config):
               (cfg.kl_estimator in ("k1", "k3"), f"--kl-estimator must be k1 or k3 (got {cfg.kl_estimator!r})"),
               (cfg.dtype in ("float32", "bfloat16"), f"--dtype must be float32 or bfloat16 (got {cfg.dtype!r})"),
               (not (cfg.reward and cfg.reward_model), "give either --reward or --reward-model, not both"),
-              (demo or cfg.reward or cfg.reward_model,
+              (demo or cfg.reward or cfg.reward_model or cfg.bench_rollout,  # (the benchmark scores nothing)
                "--model/--prompts need a reward: pass --reward module:function or --reward-model DIR"),
               (not cfg.model or cfg.prompts, "--model needs --prompts FILE.jsonl (the demo prompts fit the demo only)"),
               (0 < cfg.top_p <= 1 and cfg.top_k >= 0, "--top-p must be in (0, 1] and --top-k >= 0"),
