@@ -29,8 +29,8 @@ Run it:
     python ppo_tokens.py --help                             # every flag with its comment
 The numbers quoted in README.md come from the commands listed there, on the machines named there.
 """
-import argparse, collections, contextlib, copy, dataclasses, functools, hashlib, importlib, inspect, itertools, json, math, os
-import queue, random, shutil, signal, sys, threading, time
+import argparse, collections, contextlib, copy, dataclasses, functools, gc, hashlib, importlib, inspect, itertools, json, math
+import os, queue, random, shutil, signal, sys, threading, time
 from dataclasses import dataclass, field
 
 import torch
@@ -1990,7 +1990,8 @@ def main(argv=None):
             return bench_overlap(cfg, output_dir)
         train(cfg, setup(cfg, ctx), output_dir, ctx=ctx)
     finally:
-        if torch.distributed.is_initialized():
+        if torch.distributed.is_initialized():  # free DDP/FSDP wrappers held in reference cycles first: a process
+            gc.collect()  # group they keep alive until interpreter shutdown can abort the process there (gloo)
             torch.distributed.destroy_process_group()
 
 
