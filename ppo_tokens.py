@@ -859,9 +859,14 @@ def gae(rewards, values, response_mask, gamma: float, lam: float):
     return advantages, torch.where(mask, advantages + values[:, :T], 0.0)
 
 
-def rollout_logprobs(model, batch: Rollout, cfg: Config):  # (logprobs, entropy), (B, T) each, of a batch's responses
+def model_inputs(batch: Rollout, cfg: Config):  # (input_ids, attention_mask, position_ids, packed layout or None)
+    return pack_sequences(batch) if cfg.micro_batch_tokens else (*full_sequence(batch), None)
+
+
+def rollout_logprobs(model, batch: Rollout, cfg: Config, inputs=None):  # (logprobs, entropy), (B, T) each
+    """Of a batch's responses; inputs: model_inputs(batch, cfg) when the caller already has them (for the critic)."""
     actor = model if isinstance(getattr(model, "module", model), Actor) else Actor(model, cfg.temperature, cfg.full_logits)
-    *inputs, layout = pack_sequences(batch) if cfg.micro_batch_tokens else (*full_sequence(batch), None)
+    *inputs, layout = inputs or model_inputs(batch, cfg)
     return actor(*inputs, batch.response, batch.response_mask, batch.kept_ids, layout)
 
 
@@ -892,13 +897,13 @@ def full_sequence(batch: Rollout):  # prompt + response as one left-padded seque
     return input_ids, attention_mask, positions(attention_mask)
 
 
-def critic_values(critic, batch: Rollout, packed=False):  # (B, T): V(state before response token t), column P-1+t
-    mask = batch.response_mask.bool()
-    if packed:
-        *inputs, layout = pack_sequences(batch)
+def critic_values(critic, batch: Rollout, inputs=None):  # (B, T): V(state before response token t), column P-1+t
+    mask = batch.response_mask.bool()  # inputs: model_inputs(batch, cfg); None = padded
+    *inputs, layout = inputs or (*full_sequence(batch), None)
+    if layout is not None:
         values = critic(*inputs, packed_layout=layout)[0, layout["predict"]]  # (n,)
         return torch.zeros_like(mask, dtype=values.dtype).masked_scatter(mask, values)
-    values = critic(*full_sequence(batch))[:, batch.prompt_ids.shape[1] - 1:-1]
+    values = critic(*inputs)[:, batch.prompt_ids.shape[1] - 1:-1]
     return torch.where(mask, values, 0.0)
 
 
@@ -965,9 +970,10 @@ def score_trainer(batch: Rollout, policy, critic, cfg: Config, row_order=None, v
     batch.old_logprobs = torch.zeros_like(batch.behav_logprobs)
     batch.values = torch.zeros_like(batch.behav_logprobs, dtype=torch.float32)  # the critic's output is fp32
     for rows, mb in micro_batches(batch, cfg, row_order, ranks_agree=True):  # the first epoch's micro-batches
+        inputs = model_inputs(mb, cfg)  # packed once for both models
         with autocast(cfg, batch.response.device):
-            batch.old_logprobs[rows] = rollout_logprobs(policy, mb, cfg)[0]
-            batch.values[rows] = critic_values(critic, mb, packed=cfg.micro_batch_tokens > 0)
+            batch.old_logprobs[rows] = rollout_logprobs(policy, mb, cfg, inputs)[0]
+            batch.values[rows] = critic_values(critic, mb, inputs)
     mask = batch.response_mask.bool()
     if cfg.whiten_scores:  # here, not in the producer: under torchrun it is a collective, which only this thread runs
         batch.scores = masked_whiten(batch.scores, torch.ones_like(batch.scores))
@@ -1069,14 +1075,15 @@ def ppo_update(policy, critic, policy_opt, critic_opt, batch: Rollout, cfg: Conf
         for j, rows in enumerate(micro_rows):
             with gradient_sync((policy, critic), enabled=j == len(micro_rows) - 1):
                 mb = batch.rows(rows)
+                inputs = model_inputs(mb, cfg)  # packed once for both models
                 with autocast(cfg, device):
-                    logprobs, entropy = rollout_logprobs(policy, mb, cfg)
+                    logprobs, entropy = rollout_logprobs(policy, mb, cfg, inputs)
                 pg_loss, pg_stats = policy_loss(logprobs, mb.old_logprobs, mb.advantages, mb.loss_mask,
                                                 cfg.clip_range, mb_tokens, mb.is_weight)
                 entropy_mean = masked_mean(entropy, mb.loss_mask, mb_tokens)
                 (pg_loss - cfg.entropy_coef * entropy_mean).backward()
                 with autocast(cfg, device):
-                    values = critic_values(critic, mb, packed=cfg.micro_batch_tokens > 0)
+                    values = critic_values(critic, mb, inputs)
                 vf_loss, vf_stats = value_loss(values, mb.values, mb.returns, mb.loss_mask, cfg.value_clip_range,
                                                mb_tokens)
                 vf_loss.backward()

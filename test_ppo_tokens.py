@@ -1311,7 +1311,7 @@ def test_packed_scoring_equals_padded_scoring(tokenizer, family):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
         assert (a[~batch.response_mask.bool()] == 0).all()
     # the critic is float32 (build_critic): float32 rounding
-    torch.testing.assert_close(pt.critic_values(critic, batch, packed=True), padded_values, rtol=0, atol=1e-5)
+    torch.testing.assert_close(pt.critic_values(critic, batch, pt.pack_sequences(batch)), padded_values, rtol=0, atol=1e-5)
     cfg = SimpleNamespace(temperature=0.8, full_logits=True, micro_batch_tokens=64)  # the full-logits path packs too
     torch.testing.assert_close(pt.rollout_logprobs(policy, batch, cfg)[0], padded[0], rtol=0, atol=1e-10)
     from transformers import MistralConfig, MistralForCausalLM  # sliding windows are refused, not silently ignored
