@@ -96,6 +96,8 @@ class Config:
     bench_rollout: bool = arg(False, "benchmark: our sampler vs HF generate (tokens/s), and packed vs padded updates")
     static_cache: bool = arg(True, "sample with a preallocated KV cache (+ a CUDA graph per decode step on GPU); off = "
                              "transformers' DynamicCache, one column more per step")
+    compile_sampler: bool = arg(False, "torch.compile the sampler's prefill and decode step (fused kernels, far less "
+                                "Python per token); costs ~10-30 s of compiling at start; needs the static cache")
     full_logits: bool = arg(False, "compute log-probs from full [tokens, vocab] logits instead of the fused lm_head path")
     fsdp: bool = arg(False, "torchrun: shard actor/critic weights, grads, Adam states (FSDP2), not replicate (DDP)")
     # the built-in demo
@@ -125,7 +127,7 @@ class Config:
 
 # flags a resumed run may change; every other flag must match the checkpoint's config (or be left out)
 RUN_ONLY = ("resume", "output_dir", "save_every", "keep_checkpoints", "max_bad_steps", "trace", "wandb_project",
-            "sample_every", "fsdp")
+            "sample_every", "fsdp", "compile_sampler")
 
 
 def parse_config(argv=None) -> Config:
@@ -179,6 +181,7 @@ def check_config(cfg: Config):
               (cfg.save_every >= 0, f"--save-every must be >= 0 (got {cfg.save_every})"),
               (cfg.micro_batch_tokens >= 0 and not (cfg.micro_batch_tokens and cfg.micro_batch_size),
                "give --micro-batch-size (rows) or --micro-batch-tokens (a token budget), not both; neither is negative"),
+              (cfg.static_cache or not cfg.compile_sampler, "--compile-sampler needs the static cache: drop --no-static-cache"),
               (not (cfg.bench_overlap or cfg.bench_rollout) or world == 1,
                "--bench-overlap and --bench-rollout run in one process; start them with python, not torchrun"),
               (not demo or 1 <= cfg.eval_size <= 5000, f"--eval-size must be in 1..5000 (got {cfg.eval_size})"),
@@ -686,7 +689,7 @@ class StaticDecoder(PlainDecoder):
         self.token = torch.zeros(batch_size, 1, dtype=torch.long, device=device)  # the step's inputs, updated in place
         self.position = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
         self.column = torch.zeros(1, dtype=torch.long, device=device)  # the cache column the next token goes to
-        self.graph = None
+        self.graph, self.prefill, self.decode = None, model, model  # fast_decoder may swap in compiled model calls
         self.start(self.token, torch.ones_like(self.token))  # allocates the cache (transformers does it lazily)
 
     def capture(self):  # CUDA: record one decode step as a graph, after a warm-up on a side stream (as required)
@@ -713,7 +716,7 @@ class StaticDecoder(PlainDecoder):
         position = positions(prompt_mask)  # (B, P)
         self.position.copy_(position[:, -1:])
         self.column.fill_(P)
-        return self.model(input_ids=prompt_ids, attention_mask=allowed, position_ids=position, **self.cache,
+        return self.prefill(input_ids=prompt_ids, attention_mask=allowed, position_ids=position, **self.cache,
                           **self.keep).logits[:, -1]
 
     def step(self, token):
@@ -727,7 +730,7 @@ class StaticDecoder(PlainDecoder):
         self.mask.index_fill_(1, self.column, True)
         self.column.add_(1)
         self.position.add_(1)
-        return self.model(input_ids=self.token, attention_mask=self.mask[:, None, None, :], position_ids=self.position,
+        return self.decode(input_ids=self.token, attention_mask=self.mask[:, None, None, :], position_ids=self.position,
                           **self.cache, **self.keep).logits[:, -1]
 
 
@@ -744,15 +747,30 @@ def agrees_with_plain_loop(decoder, model, batch_size: int):  # raises if decode
 
 
 @torch.no_grad()
-def fast_decoder(model, batch_size: int, max_len: int):
+def fast_decoder(model, batch_size: int, max_len: int, compiled=False, threads=0):
     """A StaticDecoder for model, with a CUDA graph on GPU, when it gives the plain loop's logits on a test batch;
-    else a PlainDecoder (or no graph), with a message that says why."""
+    else a PlainDecoder (or no graph), with a message that says why. compiled: its prefill and decode step go through
+    torch.compile (dynamic shapes for the prompt length, static for the step), compiled here under `threads`
+    intra-op threads (0 = as now), the number the sampler runs with: the compiled code is specialised to it."""
     try:
         decoder = StaticDecoder(model, batch_size, max(max_len, 5))  # (the check writes 5 columns)
         agrees_with_plain_loop(decoder, model, batch_size)
     except Exception as e:  # a model family the fast path does not support: sample with the plain loop
         print(f"fast sampler off for {type(model).__name__} ({str(e).splitlines()[0][:200]}); using the plain decode loop")
         return PlainDecoder(model)
+    if compiled:
+        t0, now = time.perf_counter(), torch.get_num_threads()
+        print(f"compiling the sampler ({type(model).__name__}, {batch_size} rows) with torch.compile ...", flush=True)
+        try:
+            torch.set_num_threads(threads or now)
+            decoder.prefill, decoder.decode = torch.compile(model, dynamic=True), torch.compile(model, dynamic=False)
+            agrees_with_plain_loop(decoder, model, batch_size)  # compiles both, then checks them
+            print(f"compiled in {time.perf_counter() - t0:.0f} s")
+        except Exception as e:  # e.g. no C++ compiler on a CPU machine, or an op inductor does not support
+            decoder.prefill = decoder.decode = model
+            print(f"torch.compile off for the sampler ({str(e).splitlines()[0][:200]}); the static cache decodes eagerly")
+        finally:
+            torch.set_num_threads(now)
     if model.device.type == "cuda":
         try:
             decoder.capture()
@@ -1717,7 +1735,9 @@ def train(cfg: Config, run, output_dir: str, threaded=None, ctx: Dist = Dist()):
     logger, tracer = Logger(cfg, output_dir, enabled=ctx.rank == 0), Tracer(cfg.trace if ctx.rank == 0 else "")
     order = prompt_order(len(run.prompt_ids), cfg.seed, start=start * cfg.batch_size)
     longest = max(map(len, run.prompt_ids)) + cfg.response_length
-    decoder = fast_decoder(sampler, rank_rows.stop - rank_rows.start, longest) if cfg.static_cache else sampler
+    threaded = (cfg.max_staleness > 0 or cfg.inflight_updates) if threaded is None else threaded
+    decoder = fast_decoder(sampler, rank_rows.stop - rank_rows.start, longest, cfg.compile_sampler,
+                           threads=1 if threaded and sampler.device.type == "cpu" else 0) if cfg.static_cache else sampler
 
     def make_batch(i, stop):  # the producer: sample batch i, score it with the frozen models
         def between_steps():  # between decode steps: stop promptly on shutdown; take new weights if in-flight
@@ -1766,7 +1786,6 @@ def train(cfg: Config, run, output_dir: str, threaded=None, ctx: Dist = Dist()):
 
     in_main = threading.current_thread() is threading.main_thread()
     handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)} if in_main else {}
-    threaded = (cfg.max_staleness > 0 or cfg.inflight_updates) if threaded is None else threaded
     producer, bad_steps = None, 0
     try:
         if run.eval_ids is not None and not cfg.resume and ctx.rank == 0:
@@ -1907,47 +1926,53 @@ def bench_overlap(cfg: Config, output_dir: str):
               f"{sum(r['weight_sync_ms'] for r in h) / len(h):>7.2f} | {sum(r['reward_mean'] for r in reached) / len(reached):.3f}")
 
 
-def timed(fn, device, reps=3):  # (median seconds of fn() over reps runs after one warm-up, fn's last result)
-    times, out = [], fn()
-    for _ in range(reps):
-        torch.cuda.synchronize(device) if device.type == "cuda" else None
-        t0 = time.perf_counter()
-        out = fn()
-        torch.cuda.synchronize(device) if device.type == "cuda" else None
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[reps // 2], out
+def timed(fns: dict, device, reps=5):  # {name: median seconds of fns[name]()}: one warm-up each, then reps rounds
+    times = {name: [] for name in fns}  # that run each once, interleaved, so a slow spell of the machine hits all alike
+    for round in range(reps + 1):
+        for name, fn in fns.items():
+            torch.cuda.synchronize(device) if device.type == "cuda" else None
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize(device) if device.type == "cuda" else None
+            times[name] += [time.perf_counter() - t0] if round else []
+    return {name: sorted(t)[reps // 2] for name, t in times.items()}
 
 
 def bench_rollout(cfg: Config):
     """--bench-rollout: (1) tokens/s of our sampler (fast_decoder, what the loop samples with) against transformers'
     generate and our plain DynamicCache loop, on the sampler copy (bf16 on GPU), --batch-size prompts, every row
     generating exactly --response-length tokens (EOS ignored by all three); on CUDA also the decode step against the
-    weights-read bound (parameter bytes / measured copy bandwidth). (2) One PPO update on a batch whose sequence
-    lengths spread 4:1, padded (--micro-batch-size rows) vs packed (same token capacity, or --micro-batch-tokens)."""
+    weights-read bound (parameter bytes / measured copy bandwidth); with --compile-sampler the eager static decoder
+    too. (2) One PPO update on a batch whose sequence lengths spread 4:1, padded (--micro-batch-size rows) vs packed
+    (same token capacity, or --micro-batch-tokens)."""
     run = setup(dataclasses.replace(cfg, demo_warmup_max_steps=0))  # speed does not depend on the weights
     policy, tokenizer, device, B, T = run.policy, run.tokenizer, run.policy.device, cfg.batch_size, cfg.response_length
     sampler = cast_parameters(copy.deepcopy(policy), torch.bfloat16 if device.type == "cuda" else policy.dtype).requires_grad_(False)
     ids, mask = left_pad([run.prompt_ids[i % len(run.prompt_ids)] for i in range(B)], tokenizer.pad_token_id, device)
-    decoder = fast_decoder(sampler, B, max(map(len, run.prompt_ids)) + T)  # sized as train() sizes it
+    eager = fast_decoder(sampler, B, max(map(len, run.prompt_ids)) + T)  # sized as train() sizes it
+    decoders = {type(eager).__name__: eager}
+    if cfg.compile_sampler and isinstance(eager, StaticDecoder):
+        decoders["compiled"] = fast_decoder(sampler, B, max(map(len, run.prompt_ids)) + T, compiled=True)
+    name, decoder = list(decoders.items())[-1]  # what train() samples with
     ours = lambda d: generate(d, ids, mask, max_new_tokens=T, temperature=cfg.temperature, eos_id=-1,
                               pad_id=tokenizer.pad_token_id, generator=torch.Generator(device).manual_seed(0))
     with torch.no_grad():
         hf = lambda: sampler.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=cfg.temperature,
                                       top_k=0, top_p=1.0, max_new_tokens=T, min_new_tokens=T,
                                       pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-        seconds = {name: timed(fn, device)[0] for name, fn in (("HF generate", hf), ("plain loop", lambda: ours(sampler)),
-                                                               (type(decoder).__name__, lambda: ours(decoder)))}
-        prefill = timed(lambda: decoder.start(ids, mask), device)[0]
+        seconds = timed({"HF generate": hf, "plain loop": lambda: ours(sampler),
+                         **{n: lambda d=d: ours(d) for n, d in decoders.items()}, "prefill": lambda: decoder.start(ids, mask)}, device)
+        prefill = seconds.pop("prefill")
     print(f"\nsampling {B} x {T} tokens after {ids.shape[1]}-token prompts, {sum(p.numel() for p in sampler.parameters()) / 1e6:.1f}M "
           f"parameters in {sampler.dtype} on {device}:")
-    for name, s in seconds.items():
-        print(f"  {name:<14} {s * 1e3:9.1f} ms  {B * T / s:9.0f} tokens/s  {seconds['HF generate'] / s:5.2f}x")
+    for row, s in seconds.items():
+        print(f"  {row:<14} {s * 1e3:9.1f} ms  {B * T / s:9.0f} tokens/s  {seconds['HF generate'] / s:5.2f}x")
     if device.type == "cuda":  # the decode step cannot beat reading every weight once
         param_bytes = sum(p.numel() * p.element_size() for p in sampler.parameters())
         flat = torch.empty(param_bytes // 2, dtype=torch.bfloat16, device=device)
         copy_s = timed(lambda: flat.clone(), device)[0]
         bound = param_bytes / (2 * param_bytes / copy_s)  # read bandwidth from a copy (it reads and writes each byte)
-        step = (seconds[type(decoder).__name__] - prefill) / max(1, T - 1)
+        step = (seconds[name] - prefill) / max(1, T - 1)
         print(f"  decode step {step * 1e3:.3f} ms vs weights-read bound {bound * 1e3:.3f} ms: {step / bound:.2f}x the bound")
     # (2) packed vs padded training on a 4:1 spread of sequence lengths
     L = min(getattr(policy.config, "max_position_embeddings", 256), 256 if device.type == "cuda" else 64)
@@ -1961,11 +1986,11 @@ def bench_rollout(cfg: Config):
     response = torch.randint(3, len(tokenizer), (B, Tmax), generator=g).to(device).masked_fill(response_mask == 0, tokenizer.pad_token_id)
     rows = cfg.micro_batch_size or max(1, B // cfg.minibatches // 4)
     budget = cfg.micro_batch_tokens or rows * (ids.shape[1] + Tmax)  # the padded micro-batch's token capacity
-    orders, results = [torch.randperm(B, generator=g) for _ in range(cfg.ppo_epochs)], {}
-    for name, c in (("padded", dataclasses.replace(cfg, micro_batch_size=rows, micro_batch_tokens=0)),
+    orders, updates = [torch.randperm(B, generator=g) for _ in range(cfg.ppo_epochs)], {}
+    for layout, c in (("padded", dataclasses.replace(cfg, micro_batch_size=rows, micro_batch_tokens=0)),
                     ("packed", dataclasses.replace(cfg, micro_batch_size=0, micro_batch_tokens=budget))):
         actor, reference = copy.deepcopy(policy), copy.deepcopy(run.reference)
-        if name == "packed":
+        if layout == "packed":
             use_packed_attention(backbone_of(actor))
             use_packed_attention(backbone_of(reference))
         critic = build_critic(actor)
@@ -1976,14 +2001,15 @@ def bench_rollout(cfg: Config):
         score_frozen(batch, reference, lambda b: torch.ones(B, device=device), c)
         score_trainer(batch, actor, critic, c, orders[0])
         optimizers = make_optimizers(c, actor, critic)[:2]
-        results[name] = timed(lambda: ppo_update(actor, critic, *optimizers, batch, c, orders), device)[0]
+        updates[layout] = functools.partial(ppo_update, actor, critic, *optimizers, batch, c, orders)
+    results = timed(updates, device, reps=3)
     real = int(mask.sum() + response_mask.sum())
     print(f"PPO update ({cfg.ppo_epochs} epochs x {cfg.minibatches} minibatches) on {B} sequences of {L // 4}..{L} tokens "
           f"({1 - real / (B * (ids.shape[1] + Tmax)):.0%} of the padded layout is padding), {rows} rows or {budget} "
           "tokens per micro-batch:")
-    for name, s in results.items():
-        print(f"  {name:<7} {s * 1e3:9.1f} ms  {results['padded'] / s:5.2f}x")
-    print(f"sampler vs generate: {seconds['HF generate'] / seconds[type(decoder).__name__]:.2f}x")
+    for layout, s in results.items():
+        print(f"  {layout:<7} {s * 1e3:9.1f} ms  {results['padded'] / s:5.2f}x")
+    print(f"sampler vs generate: {seconds['HF generate'] / seconds[name]:.2f}x")
 
 
 def main(argv=None):

@@ -14,6 +14,7 @@ import json
 import math
 import subprocess
 import sys
+import threading
 import time
 from types import SimpleNamespace
 
@@ -185,7 +186,7 @@ def kernel_env(monkeypatch):
     monkeypatch.setattr(kernels, "_POISON", True)
     torch.set_default_device(KERNEL_DEVICE)  # compiled kernels on a CUDA machine, the interpreter on CPU
     yield
-    torch.set_default_device("cpu")
+    torch.set_default_device(None)  # no default-device mode left behind (a torch.compile guard sees it)
 
 
 def close(actual, expected, rtol, atol, what):
@@ -1252,9 +1253,10 @@ if __name__ == "__main__":  # torchrun test_ppo_tokens.py OUT: the two-rank half
 
 
 
-@pytest.mark.parametrize("family,dtype,top_k", [("llama", torch.float64, 0), ("llama", torch.float32, 5),
-                                                ("gpt2", torch.float64, 0), ("sliding", torch.float64, 0)])
-def test_fast_sampler_gives_the_plain_loops_tokens_and_logprobs(tokenizer, family, dtype, top_k, capsys):
+@pytest.mark.parametrize("family,dtype,top_k,compiled", [("llama", torch.float64, 0, False), ("llama", torch.float32, 5, False),
+                                                         ("gpt2", torch.float64, 0, False), ("sliding", torch.float64, 0, False),
+                                                         ("llama", torch.float32, 0, True)])
+def test_fast_sampler_gives_the_plain_loops_tokens_and_logprobs(tokenizer, family, dtype, top_k, compiled, capsys):
     if family == "sliding":  # sliding-window layers: not supported, the check falls back to the plain loop
         from transformers import MistralConfig, MistralForCausalLM
         torch.manual_seed(2)
@@ -1266,12 +1268,24 @@ def test_fast_sampler_gives_the_plain_loops_tokens_and_logprobs(tokenizer, famil
     policy = policy.to(dtype)
     texts = ["1+2=", "37+45=", "9+90=", "5+5=", "123+4=", "0+0="]  # ragged prompts: left padding in every batch
     ids, mask = pt.left_pad(pt.format_prompts(tokenizer, texts, False, 64), tokenizer.pad_token_id, "cpu")
-    decoder = pt.fast_decoder(policy, len(texts), ids.shape[1] + 12)
-    fell_back = "fast sampler off for MistralForCausalLM" in capsys.readouterr().out
-    assert type(decoder) is (pt.PlainDecoder if family == "sliding" else pt.StaticDecoder) and fell_back == (family == "sliding")
-    batches = [pt.generate(sampler, ids, mask, max_new_tokens=10, temperature=0.9, eos_id=tokenizer.eos_token_id,
-                           pad_id=tokenizer.pad_token_id, generator=torch.Generator().manual_seed(7), top_k=top_k)
-               for sampler in (policy, decoder, decoder)]  # the decoder twice: its cache is reused between batches
+    # compiled: for the sampler thread's one intra-op thread, as train() compiles it for a threaded CPU run
+    decoder = pt.fast_decoder(policy, len(texts), ids.shape[1] + 12, compiled=compiled, threads=1 if compiled else 0)
+    out = capsys.readouterr().out
+    assert type(decoder) is (pt.PlainDecoder if family == "sliding" else pt.StaticDecoder)
+    assert ("fast sampler off for MistralForCausalLM" in out) == (family == "sliding") and "torch.compile off" not in out
+    assert (family != "sliding" and decoder.decode is not policy and decoder.prefill is not policy) == compiled
+    sample = lambda sampler: pt.generate(sampler, ids, mask, max_new_tokens=10, temperature=0.9, eos_id=tokenizer.eos_token_id,
+                                         pad_id=tokenizer.pad_token_id, generator=torch.Generator().manual_seed(7), top_k=top_k)
+    batches = [sample(policy)]
+    if compiled:  # in a thread with one intra-op thread, like the Producer's: the compiled code runs, not a recompile
+        from torch._dynamo.utils import counters
+        graphs = counters["stats"]["unique_graphs"]
+        thread = threading.Thread(target=lambda: (torch.set_num_threads(1), batches.extend(sample(decoder) for _ in range(2))))
+        thread.start()
+        thread.join()
+        assert counters["stats"]["unique_graphs"] == graphs
+    else:
+        batches += [sample(decoder), sample(decoder)]  # the decoder twice: its cache is reused between batches
     assert not batches[0].response_mask.all()  # some rows ended early: pads after EOS
     for fast in batches[1:]:
         assert torch.equal(fast.response, batches[0].response) and torch.equal(fast.response_mask, batches[0].response_mask)
