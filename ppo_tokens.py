@@ -97,7 +97,7 @@ class Config:
     static_cache: bool = arg(True, "sample with a preallocated KV cache (+ a CUDA graph per decode step on GPU); off = "
                              "transformers' DynamicCache, one column more per step")
     compile_sampler: bool = arg(False, "torch.compile the sampler's prefill and decode step (fused kernels, far less "
-                                "Python per token); costs ~10-30 s of compiling at start; needs the static cache")
+                                "Python per token); costs ~10-40 s of compiling at start; needs the static cache")
     full_logits: bool = arg(False, "compute log-probs from full [tokens, vocab] logits instead of the fused lm_head path")
     fsdp: bool = arg(False, "torchrun: shard actor/critic weights, grads, Adam states (FSDP2), not replicate (DDP)")
     # the built-in demo
@@ -1952,7 +1952,8 @@ def bench_rollout(cfg: Config):
     eager = fast_decoder(sampler, B, max(map(len, run.prompt_ids)) + T)  # sized as train() sizes it
     decoders = {type(eager).__name__: eager}
     if cfg.compile_sampler and isinstance(eager, StaticDecoder):
-        decoders["compiled"] = fast_decoder(sampler, B, max(map(len, run.prompt_ids)) + T, compiled=True)
+        compiled = fast_decoder(sampler, B, max(map(len, run.prompt_ids)) + T, compiled=True)
+        decoders.update({"compiled": compiled} if compiled.decode is not sampler else {})  # (unless it fell back)
     name, decoder = list(decoders.items())[-1]  # what train() samples with
     ours = lambda d: generate(d, ids, mask, max_new_tokens=T, temperature=cfg.temperature, eos_id=-1,
                               pad_id=tokenizer.pad_token_id, generator=torch.Generator(device).manual_seed(0))
@@ -1970,7 +1971,7 @@ def bench_rollout(cfg: Config):
     if device.type == "cuda":  # the decode step cannot beat reading every weight once
         param_bytes = sum(p.numel() * p.element_size() for p in sampler.parameters())
         flat = torch.empty(param_bytes // 2, dtype=torch.bfloat16, device=device)
-        copy_s = timed(lambda: flat.clone(), device)[0]
+        copy_s = timed({"copy": flat.clone}, device)["copy"]
         bound = param_bytes / (2 * param_bytes / copy_s)  # read bandwidth from a copy (it reads and writes each byte)
         step = (seconds[name] - prefill) / max(1, T - 1)
         print(f"  decode step {step * 1e3:.3f} ms vs weights-read bound {bound * 1e3:.3f} ms: {step / bound:.2f}x the bound")

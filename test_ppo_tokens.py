@@ -12,6 +12,7 @@ KERNEL_DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_I
 
 import json
 import math
+import re
 import subprocess
 import sys
 import threading
@@ -954,6 +955,13 @@ def test_staleness_zero_with_the_thread_equals_the_synchronous_loop(tmp_path, mo
     assert all(torch.equal(plain_weights[k], thread_weights[k]) for k in plain_weights)
     assert all(r["behav_prox_max_diff"] < 1e-5 for r in plain + thread)  # the sampler really had the new weights
     assert plain[-1]["approx_kl"] > 0 and plain[0]["reward_mean"] != plain[-1]["reward_mean"]  # it did train
+
+
+def test_bench_rollout_runs_and_ends_with_the_ratio_line(tmp_path):  # the entry point; speeds are not asserted
+    out = run_script(["--bench-rollout", "--batch-size", "8", "--response-length", "3", "--minibatches", "2",
+                      "--demo-hidden", "32", "--demo-layers", "1"], tmp_path)
+    assert all(row in out for row in ("HF generate", "plain loop", "StaticDecoder", "padded", "packed"))
+    assert re.fullmatch(r"sampler vs generate: \d+\.\d\dx", out.strip().splitlines()[-1])
 
 
 def test_staleness_one_keeps_every_token_within_bounds(tmp_path):
