@@ -386,6 +386,11 @@ class Actor(nn.Module):
 # real tokens only, and the attention of a micro-batch of similar lengths (token_budget_bins) pads little.
 # transformers' own packed path for SDPA builds an (N, N) block-diagonal mask and computes every block of it.
 
+@functools.cache
+def has_flash_attn() -> bool:  # looked up once, not in every attention call
+    return importlib.util.find_spec("flash_attn") is not None
+
+
 def packed_attention(module, query, key, value, attention_mask, packed_layout=None, **kwargs):
     """A transformers attention function (registered as "ppo_packed"); plain SDPA for unpacked calls (the sampler,
     padded forwards). query (1, heads, N, d), key and value (1, kv_heads, N, d). Returns ((1, N, heads, d), None)."""
@@ -397,7 +402,7 @@ def packed_attention(module, query, key, value, attention_mask, packed_layout=No
     layout, scaling = packed_layout, kwargs.get("scaling")
     # under --bf16 autocast q and k leave RoPE in fp32 while v is bf16: flash-attn gets all three in the autocast dtype
     dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else query.dtype
-    if query.is_cuda and dtype in (torch.bfloat16, torch.float16) and importlib.util.find_spec("flash_attn"):
+    if query.is_cuda and dtype in (torch.bfloat16, torch.float16) and has_flash_attn():
         from flash_attn import flash_attn_varlen_func
         q, k, v = (x[0].transpose(0, 1).to(dtype) for x in (query, key, value))  # (N, heads, d)
         return flash_attn_varlen_func(q, k, v, layout["cu_seqlens"], layout["cu_seqlens"], layout["width"],
@@ -693,6 +698,7 @@ class StaticDecoder(PlainDecoder):
         self.start(self.token, torch.ones_like(self.token))  # allocates the cache (transformers does it lazily)
 
     def capture(self):  # CUDA: record one decode step as a graph, after a warm-up on a side stream (as required)
+        self.start(self.token, torch.ones_like(self.token))  # from column 1: the 3 steps below fit any cache
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # the outer context: a failed capture still gives the stream back
@@ -900,7 +906,7 @@ def pack_sequences(batch: Rollout):
     position_ids = torch.arange(int(lengths.sum()), device=device) - starts.repeat_interleave(lengths)  # (N,)
     t = torch.arange(batch.response.shape[1], device=device)
     predict = (starts + batch.prompt_mask.sum(1) - 1)[:, None] + t  # (B, T): column P-1+t of each sequence
-    width = int(lengths.max())  # one host sync per micro-batch
+    width = int(lengths.max())  # (this, the total length and the boolean indexing each sync with the host)
     column = torch.arange(width, device=device)
     inside = column < lengths[:, None]  # (B, width)
     layout = {"predict": predict[batch.response_mask.bool()], "rows": len(lengths), "width": width,
@@ -1949,11 +1955,12 @@ def bench_rollout(cfg: Config):
     policy, tokenizer, device, B, T = run.policy, run.tokenizer, run.policy.device, cfg.batch_size, cfg.response_length
     sampler = cast_parameters(copy.deepcopy(policy), torch.bfloat16 if device.type == "cuda" else policy.dtype).requires_grad_(False)
     ids, mask = left_pad([run.prompt_ids[i % len(run.prompt_ids)] for i in range(B)], tokenizer.pad_token_id, device)
-    eager = fast_decoder(sampler, B, max(map(len, run.prompt_ids)) + T)  # sized as train() sizes it
+    max_len = max(map(len, run.prompt_ids)) + T  # the decoders are sized as train() sizes them
+    eager = fast_decoder(sampler, B, max_len)
     decoders = {type(eager).__name__: eager}
-    if cfg.compile_sampler and isinstance(eager, StaticDecoder):
-        compiled = fast_decoder(sampler, B, max(map(len, run.prompt_ids)) + T, compiled=True)
-        decoders.update({"compiled": compiled} if compiled.decode is not sampler else {})  # (unless it fell back)
+    compiled = fast_decoder(sampler, B, max_len, compiled=True) if cfg.compile_sampler and isinstance(eager, StaticDecoder) else None
+    if compiled is not None and compiled.decode is not sampler:  # (unless it fell back)
+        decoders["compiled"] = compiled
     name, decoder = list(decoders.items())[-1]  # what train() samples with
     ours = lambda d: generate(d, ids, mask, max_new_tokens=T, temperature=cfg.temperature, eos_id=-1,
                               pad_id=tokenizer.pad_token_id, generator=torch.Generator(device).manual_seed(0))
@@ -1972,9 +1979,9 @@ def bench_rollout(cfg: Config):
         param_bytes = sum(p.numel() * p.element_size() for p in sampler.parameters())
         flat = torch.empty(param_bytes // 2, dtype=torch.bfloat16, device=device)
         copy_s = timed({"copy": flat.clone}, device)["copy"]
-        bound = param_bytes / (2 * param_bytes / copy_s)  # read bandwidth from a copy (it reads and writes each byte)
+        bound = copy_s / 2  # reading the weights once: a copy of them reads and writes each byte
         step = (seconds[name] - prefill) / max(1, T - 1)
-        print(f"  decode step {step * 1e3:.3f} ms vs weights-read bound {bound * 1e3:.3f} ms: {step / bound:.2f}x the bound")
+        print(f"  decode + sampling step {step * 1e3:.3f} ms vs weights-read bound {bound * 1e3:.3f} ms: {step / bound:.2f}x the bound")
     # (2) packed vs padded training on a 4:1 spread of sequence lengths
     L = min(getattr(policy.config, "max_position_embeddings", 256), 256 if device.type == "cuda" else 64)
     g = torch.Generator().manual_seed(cfg.seed)
