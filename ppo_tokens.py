@@ -121,6 +121,8 @@ class Config:
     seed: int = arg(1, "seeds model init, sampling, data order and minibatch shuffling")
     device: str = arg("auto", "'auto' (cuda if available), 'cpu', 'cuda' or 'cuda:N'")
     dtype: str = arg("float32", "dtype of the frozen models (reference, reward model); policy and critic train in float32")
+    tf32: bool = arg(True, "CUDA: float32 matmuls in TF32 (10-bit mantissa inputs, fp32 sums; several times faster); "
+                     "off = IEEE float32")
     output_dir: str = arg("", "where config.json, metrics.jsonl and policy/ go; empty = runs/<date-time>")
     wandb_project: str = arg("", "log to this Weights & Biases project (off when empty; wandb imported only then)")
 
@@ -185,6 +187,8 @@ def check_config(cfg: Config):
               (not (cfg.bench_overlap or cfg.bench_rollout) or world == 1,
                "--bench-overlap and --bench-rollout run in one process; start them with python, not torchrun"),
               (not demo or 1 <= cfg.eval_size <= 5000, f"--eval-size must be in 1..5000 (got {cfg.eval_size})"),
+              (world == 1 or ":" not in cfg.device, f"--device {cfg.device}: under torchrun each rank uses "
+               "cuda:LOCAL_RANK; pass --device cuda (or set CUDA_VISIBLE_DEVICES)"),
               (not cfg.device.startswith("cuda") or torch.cuda.is_available(),
                f"--device {cfg.device}: CUDA is not available here; use --device cpu")]
     checks += [(getattr(cfg, n) >= 1, f"--{n.replace('_', '-')} must be >= 1 (got {getattr(cfg, n)})")
@@ -232,6 +236,14 @@ def any_rank(flag: bool, device) -> bool:  # a decision every rank must take tog
     return bool(all_reduce(torch.tensor([float(flag)], device=device), "max"))
 
 
+def fall_back(message: str):
+    """A fast path is off (fast sampler, CUDA graph, compile, flash-attn, the fused head): say why in one line. With
+    PPO_TOKENS_STRICT=1 (the tests set it) it is an error instead, so nothing passes on a slow path by accident."""
+    if os.environ.get("PPO_TOKENS_STRICT") == "1":
+        raise RuntimeError(f"PPO_TOKENS_STRICT=1: {message}")
+    print(message, flush=True)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # models and tokenizer
 
@@ -268,15 +280,25 @@ def same_vocabulary(a, b) -> bool:  # the pad token we may have added does not c
         {k: v for k, v in b.get_vocab().items() if k != PAD_TOKEN}
 
 
-def ensure_pad_token(tokenizer, model):
-    """Give the tokenizer a pad token distinct from EOS. Masks never come from `ids == pad` here, but a pad equal to
-    EOS is how other code ends up masking the real EOS token out of the loss, so we refuse to share the id."""
-    if tokenizer.pad_token_id is not None and tokenizer.pad_token_id != tokenizer.eos_token_id:
-        return
-    tokenizer.add_special_tokens({"pad_token": PAD_TOKEN})
-    if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:  # many vocabularies have spare rows already
-        model.resize_token_embeddings(len(tokenizer))
-    model.config.pad_token_id = tokenizer.pad_token_id
+def stop_token_ids(tokenizer, model) -> list:
+    """Every id that ends a completion: the tokenizer's EOS and the generation config's eos_token_id, where chat
+    models name several (Llama 3's <|eot_id|> and <|eom_id|>, Gemma's <end_of_turn>, Qwen's <|im_end|>, ...)."""
+    named = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    return sorted({tokenizer.eos_token_id, *(named if isinstance(named, list) else [named])} - {None})
+
+
+def ensure_pad_token(tokenizer, model, stop_ids=()) -> int:
+    """Give the tokenizer a pad token distinct from every stop id. Masks never come from `ids == pad` here, but a pad
+    equal to EOS is how other code ends up masking the real EOS token out of the loss, so we refuse to share the id.
+    Returns the sampled vocabulary: the ids below it are the tokenizer's own tokens. Our added pad and the model's
+    spare embedding rows lie above it, so no completion can hold them (sampler and scorer both cut the logits there)."""
+    if tokenizer.pad_token_id is None or tokenizer.pad_token_id in (tokenizer.eos_token_id, *stop_ids):
+        tokenizer.add_special_tokens({"pad_token": PAD_TOKEN})
+        if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:  # many vocabularies have spare rows already
+            model.resize_token_embeddings(len(tokenizer))
+        model.config.pad_token_id = tokenizer.pad_token_id
+    vocab = min(len(tokenizer), model.get_output_embeddings().weight.shape[0])
+    return min(vocab, tokenizer.pad_token_id) if tokenizer.pad_token == PAD_TOKEN else vocab
 
 
 def disable_dropout(model: nn.Module):
@@ -341,12 +363,12 @@ def build_critic(policy, reward_model=None, same_tokenizer=False):
 
 
 def sequence_logprobs(model, input_ids, attention_mask, position_ids, response, response_mask, temperature,
-                      kept_ids=None, full_logits=False, layout=None):
+                      kept_ids=None, full_logits=False, layout=None, vocab=None):
     """THE token log-prob function: log pi(response_t | context) under temperature, and the entropy, for the response
     that starts at column P = input_ids.shape[1] - response.shape[1]. The hidden state at column P-1+t predicts
     response token t. Returns (logprobs, entropy), each (B, T) float32 and exactly 0 on masked (pad) tokens.
     layout: the inputs are one packed row (pack_sequences); the hidden states at layout["predict"] predict the real
-    response tokens, in row-major order."""
+    response tokens, in row-major order. vocab: the distribution is over ids < vocab only, as generate samples it."""
     mask = response_mask.bool()
     inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
     if layout is None:  # (B, T, H) hidden states and what they predict
@@ -354,30 +376,47 @@ def sequence_logprobs(model, input_ids, attention_mask, position_ids, response, 
     else:  # (1, n, H): the n real response tokens only
         inputs["packed_layout"], targets, target_mask = layout, response[mask][None], None
         select, kept = (lambda h: h[:, layout["predict"]]), (None if kept_ids is None else kept_ids[mask][None])
-    # fused path when logits are exactly hidden @ W.T: kernels.linear_token_logprobs never holds the [tokens, vocab]
-    # logits. Not for models that post-process their logits (Gemma 2, Cohere, Granite rescale them).
-    head, post = getattr(model, "lm_head", None), ("final_logit_softcapping", "logit_scale", "logits_scaling")
-    if not full_logits and isinstance(head, nn.Linear) and head.bias is None and \
-            all(getattr(getattr(model, "config", None), k, None) in (None, 1.0) for k in post):
+    # fused path when logits are exactly hidden @ W.T (setup checks it: fused_head_agrees): never holds the
+    # [tokens, vocab] logits, see kernels.linear_token_logprobs
+    head = getattr(model, "lm_head", None)
+    if not full_logits and isinstance(head, nn.Linear) and head.bias is None:
         hidden = select(backbone_of(model)(**inputs).last_hidden_state)
         with torch.autocast(hidden.device.type, enabled=False):  # --bf16: the head stays fp32 (logits in fp32)
-            out = linear_token_logprobs(hidden.to(head.weight.dtype), head.weight, targets, temperature, mask=target_mask, kept_ids=kept)
+            out = linear_token_logprobs(hidden.to(head.weight.dtype), head.weight[:vocab], targets, temperature,
+                                        mask=target_mask, kept_ids=kept)
     else:
-        out = token_logprobs(select(model(**inputs).logits), targets, temperature, mask=target_mask, kept_ids=kept)
+        logits = select(model(**inputs).logits)[..., :vocab]
+        out = token_logprobs(logits, targets, temperature, mask=target_mask, kept_ids=kept)
     return out if layout is None else tuple(torch.zeros_like(mask, dtype=o.dtype).masked_scatter(mask, o[0]) for o in out)
+
+
+@torch.no_grad()
+def fused_head_agrees(model, vocab=None) -> bool:
+    """Whether the fused path's log-probs equal those of the model's own logits on a tiny batch (IEEE fp32 matmuls):
+    a model that post-processes its logits (Gemma 2's softcapping, Cohere's logit_scale, Granite's logits_scaling,
+    Falcon-H1's lm_head_multiplier, ...) needs --full-logits."""
+    ids = torch.randint(0, vocab or model.config.vocab_size, (2, 6), device=model.device)
+    inputs = (ids, torch.ones_like(ids), positions(torch.ones_like(ids)), ids[:, 3:], torch.ones_like(ids[:, 3:]), 1.0)
+    precision = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        fused, full = (sequence_logprobs(model, *inputs, full_logits=f, vocab=vocab)[0] for f in (False, True))
+    finally:
+        torch.set_float32_matmul_precision(precision)
+    return bool(torch.allclose(fused, full, rtol=1e-4, atol=1e-4))
 
 
 class Actor(nn.Module):
     """sequence_logprobs of a policy as one module forward, so DDP and FSDP2 see the whole computation: the fused
     path reads lm_head.weight directly, which only the forward of the module they wrap syncs (DDP) or gathers (FSDP2)."""
 
-    def __init__(self, policy, temperature: float, full_logits=False):
+    def __init__(self, policy, temperature: float, full_logits=False, vocab=None):
         super().__init__()
-        self.policy, self.temperature, self.full_logits = policy, temperature, full_logits
+        self.policy, self.temperature, self.full_logits, self.vocab = policy, temperature, full_logits, vocab
 
     def forward(self, input_ids, attention_mask, position_ids, response, response_mask, kept_ids=None, layout=None):
         return sequence_logprobs(self.policy, input_ids, attention_mask, position_ids, response, response_mask,
-                                 self.temperature, kept_ids, self.full_logits, layout)
+                                 self.temperature, kept_ids, self.full_logits, layout, self.vocab)
 
 
 # Packed (padding-free) forwards: the real tokens of a micro-batch as one row (pack_sequences), and an attention for
@@ -387,64 +426,94 @@ class Actor(nn.Module):
 # transformers' own packed path for SDPA builds an (N, N) block-diagonal mask and computes every block of it.
 
 @functools.cache
-def has_flash_attn() -> bool:  # looked up once, not in every attention call
-    return importlib.util.find_spec("flash_attn") is not None
+def flash_attn_varlen():  # flash-attn's varlen kernel, or None; imported once: a wheel built for another torch
+    if importlib.util.find_spec("flash_attn") is None:  # fails here, at set-up, not in the first packed forward
+        return None
+    try:
+        from flash_attn import flash_attn_varlen_func
+        return flash_attn_varlen_func
+    except Exception as e:
+        fall_back(f"flash-attn is installed but does not import ({str(e).splitlines()[0][:200]}); packed attention "
+                  "runs through SDPA")
 
 
-def packed_attention(module, query, key, value, attention_mask, packed_layout=None, **kwargs):
-    """A transformers attention function (registered as "ppo_packed"); plain SDPA for unpacked calls (the sampler,
-    padded forwards). query (1, heads, N, d), key and value (1, kv_heads, N, d). Returns ((1, N, heads, d), None)."""
+def ppo_attention(module, query, key, value, attention_mask, packed_layout=None, grouped_decode=False, **kwargs):
+    """The transformers attention function (registered as "ppo_tokens") of packed forwards and of the fast sampler's
+    decode step; plain SDPA for every other call. query (B, heads, q_len, d), key and value (B, kv_heads, k_len, d).
+    Returns ((B, q_len, heads, d), None)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    scaling, groups = kwargs.get("scaling"), query.shape[1] // key.shape[1]
+    if grouped_decode and query.shape[2] == 1 and groups > 1:
+        # one new token per row (StaticDecoder): the query heads that share a K/V head act as that head's queries,
+        # so SDPA reads the cache once. (transformers repeats the whole cache `groups` times when given a mask.)
+        B, heads, _, d = query.shape
+        out = torch.nn.functional.scaled_dot_product_attention(query.view(B, heads // groups, groups, d), key, value,
+                                                               attn_mask=attention_mask, scale=scaling)
+        return out.reshape(B, heads, 1, d).transpose(1, 2), None
     if packed_layout is None:  # (pack_sequences' empty mask cannot pass for a real one: SDPA would fail on it)
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     if kwargs.get("sliding_window") is not None:
         raise ValueError("sliding-window attention is not supported packed")
-    layout, scaling = packed_layout, kwargs.get("scaling")
+    layout, device = packed_layout, query.device.type
     # under --bf16 autocast q and k leave RoPE in fp32 while v is bf16: flash-attn gets all three in the autocast dtype
-    dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else query.dtype
-    if query.is_cuda and dtype in (torch.bfloat16, torch.float16) and has_flash_attn():
-        from flash_attn import flash_attn_varlen_func
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else query.dtype
+    if query.is_cuda and dtype in (torch.bfloat16, torch.float16) and flash_attn_varlen() is not None:
         q, k, v = (x[0].transpose(0, 1).to(dtype) for x in (query, key, value))  # (N, heads, d)
-        return flash_attn_varlen_func(q, k, v, layout["cu_seqlens"], layout["cu_seqlens"], layout["width"],
-                                      layout["width"], softmax_scale=scaling, causal=True)[None], None
+        return flash_attn_varlen()(q, k, v, layout["cu_seqlens"], layout["cu_seqlens"], layout["width"],
+                                   layout["width"], softmax_scale=scaling, causal=True)[None], None
     rows, width, to_packed = layout["rows"], layout["width"], layout["to_packed"]
 
     def padded(x):  # (1, h, N, d) -> (rows, h, width, d): one sequence per row, zeros after it (index_copy and
         x = x[0].transpose(0, 1)  # index_select: their backwards are a gather and an index_add, both cheap)
         return x.new_zeros(rows * width, *x.shape[1:]).index_copy(0, to_packed, x).view(rows, width, *x.shape[1:]).transpose(1, 2)
+    q, k, v = padded(query), padded(key), padded(value)
+    if dtype == torch.float32 and groups > 1:  # SDPA has no fused fp32 kernel for GQA (only its math one)
+        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
     # right-padded rows need no mask: causal attention never looks at the pads after a sequence's last token
-    out, _ = sdpa_attention_forward(module, padded(query), padded(key), padded(value), None, is_causal=True,
-                                    scaling=scaling)  # (rows, width, heads, d)
-    return out.reshape(rows * width, *out.shape[2:]).index_select(0, to_packed)[None], None
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling,
+                                                           enable_gqa=k.shape[1] != q.shape[1])
+    out = out.transpose(1, 2).reshape(rows * width, *q.shape[1:2], q.shape[3])  # (rows * width, heads, d)
+    return out.index_select(0, to_packed)[None], None
 
 
-def use_packed_attention(backbone):
-    """Switch a transformers backbone from SDPA to packed_attention (the same as SDPA unless a forward is packed),
-    and check on a ragged batch that packed hidden states equal padded ones; refuse with a message otherwise."""
+def use_ppo_attention(model) -> bool:  # model (or a backbone) attends through ppo_attention, if it used SDPA
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
-    if backbone.config._attn_implementation not in ("sdpa", "ppo_packed"):
+    if model.config._attn_implementation not in ("sdpa", "ppo_tokens"):
+        return False
+    AttentionInterface.register("ppo_tokens", ppo_attention)
+    AttentionMaskInterface.register("ppo_tokens", sdpa_mask)
+    model.set_attn_implementation("ppo_tokens")
+    return True
+
+
+def use_packed_attention(backbone, bf16=False):
+    """Let a transformers backbone run packed forwards (ppo_attention), and check on a ragged batch that packed
+    hidden states equal padded ones, also under --bf16's autocast (flash-attn's path); refuse with a message otherwise."""
+    if not use_ppo_attention(backbone):
         raise SystemExit(f"--micro-batch-tokens packs sequences through SDPA; {type(backbone).__name__} uses "
                          f"{backbone.config._attn_implementation!r} attention. Leave --micro-batch-tokens at 0")
-    AttentionInterface.register("ppo_packed", packed_attention)
-    AttentionMaskInterface.register("ppo_packed", sdpa_mask)
-    backbone.set_attn_implementation("ppo_packed")
     ids, device = torch.randint(1, backbone.config.vocab_size, (2, 5), device=backbone.device), backbone.device
     check = Rollout(ids[:, :3], torch.tensor([[0, 1, 1], [1, 1, 1]], device=device), ids[:, 3:],
                     torch.tensor([[1, 1], [1, 0]], device=device), None, None, None)
     input_ids, attention_mask, position_ids = full_sequence(check)
-    try:
-        with torch.no_grad():
-            padded = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                              use_cache=False).last_hidden_state[attention_mask.bool()]
-            *inputs, layout = pack_sequences(check)
-            packed = backbone(*inputs[:1], attention_mask=inputs[1], position_ids=inputs[2], use_cache=False,
-                              packed_layout=layout).last_hidden_state[0]
-    except (ValueError, RuntimeError) as e:
-        raise SystemExit(f"--micro-batch-tokens: {type(backbone).__name__} cannot run packed ({e}); leave it at 0")
-    if not torch.allclose(packed.float(), padded.float(), atol=1e-3):
-        raise SystemExit(f"--micro-batch-tokens: packed sequences give other hidden states than padded ones in "
-                         f"{type(backbone).__name__} ({float((packed - padded).abs().max()):.2g}); leave it at 0")
+    for mixed in (False, True) if bf16 else (False,):
+        try:
+            with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=mixed):
+                padded = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                  use_cache=False).last_hidden_state[attention_mask.bool()].float()
+                *inputs, layout = pack_sequences(check)
+                packed = backbone(*inputs[:1], attention_mask=inputs[1], position_ids=inputs[2], use_cache=False,
+                                  packed_layout=layout).last_hidden_state[0].float()
+        except (ValueError, RuntimeError) as e:
+            raise SystemExit(f"--micro-batch-tokens: {type(backbone).__name__} cannot run packed"
+                             f"{' under --bf16' if mixed else ''} ({str(e).splitlines()[0][:200]}); leave it at 0")
+        # fp32: the same sums in another order; bf16 autocast: each path rounds to bf16 in other places
+        error = (packed - padded).abs().max() if not mixed else (packed - padded).norm() / padded.norm()
+        if error > (1e-3 if not mixed else 0.02):
+            raise SystemExit(f"--micro-batch-tokens: packed sequences give other hidden states than padded ones in "
+                             f"{type(backbone).__name__}{' under --bf16' if mixed else ''} ({float(error):.2g}); "
+                             "leave it at 0")
 
 
 def decoder_layers(model):  # the transformer blocks: the longest ModuleList
@@ -570,11 +639,11 @@ def reward_model_scores(reward_model, rm_tokenizer, policy_tokenizer, batch, use
     own tokens. Different tokenizer: decode, re-template and re-tokenize for the reward model."""
     if same_vocabulary(rm_tokenizer, policy_tokenizer):
         ids, mask, _ = full_sequence(batch)
-        ids = torch.where(mask.bool(), ids, 0)  # our pad id may lie outside the reward model's embedding
     else:
-        if use_chat_template and getattr(rm_tokenizer, "chat_template", None):
-            texts = [rm_tokenizer.apply_chat_template([{"role": "user", "content": p}, {"role": "assistant",
-                     "content": c}], tokenize=False) for p, c in zip(batch.prompts, batch.completions)]
+        if use_chat_template and getattr(rm_tokenizer, "chat_template", None):  # a truncated completion stays an open
+            texts = [rm_tokenizer.apply_chat_template([{"role": "user", "content": p}, {"role": "assistant", "content": c}],
+                                                      tokenize=False, continue_final_message=not e)  # turn: no end-of-turn
+                     for p, c, e in zip(batch.prompts, batch.completions, batch.ended.tolist())]
             seqs = rm_tokenizer(texts, add_special_tokens=False)["input_ids"]
         else:
             eos = [(rm_tokenizer.eos_token or "") if e else "" for e in batch.ended.tolist()]  # scored at the EOS, as above
@@ -616,7 +685,7 @@ class Rollout:
     response_mask: torch.Tensor  # (B, T) 1 on real response tokens, the EOS included
     behav_logprobs: torch.Tensor  # (B, T) log-prob of each token under the sampler, recorded at sampling time
     policy_version: torch.Tensor  # (B, T) int64: the policy version (PPO updates it contains) that sampled each token
-    ended: torch.Tensor  # (B,) bool: the completion emitted EOS within --response-length
+    ended: torch.Tensor  # (B,) bool: the completion emitted a stop token (EOS) within --response-length
     kept_ids: torch.Tensor = None  # (B, T, K) ids top-k/top-p kept at each step, -1 padded; None without truncation
     prompts: list = None  # B prompt strings as the reward sees them
     completions: list = None  # B completion strings, decoded up to (not including) EOS
@@ -653,9 +722,16 @@ def truncate_logits(scaled_logits, top_k: int, top_p: float):
     return filtered, ids
 
 
+def sample_tokens(probs, generator):  # (B, V) -> (B,): one draw per row
+    """torch.multinomial(probs, 1)'s own method, argmax(p / E) with E ~ Exp(1) from the same generator, so the same
+    tokens, without multinomial's two host syncs per call (its input checks): the decode step never waits."""
+    return probs.div(torch.empty_like(probs).exponential_(generator=generator)).argmax(-1)
+
+
 class PlainDecoder:
-    """The reference decode loop's model calls: transformers' DynamicCache, grown by one column per step, and a 2D
-    attention mask that transformers turns into a 4D one at every call. Works for every causal LM."""
+    """The reference decode loop's model calls: the cache the model builds for itself (a DynamicCache grown by one
+    column per step, with recurrent states for hybrid Mamba / linear-attention layers), and a 2D attention mask
+    that transformers turns into a 4D one at every call. Works for every causal LM that setup() accepts."""
 
     def __init__(self, model):
         params = inspect.signature(model.forward).parameters  # transformers 5.24 renamed past_key_values to cache
@@ -663,9 +739,8 @@ class PlainDecoder:
         self.keep = {"logits_to_keep": 1} if "logits_to_keep" in params else {}  # not (B, P, V) prefill logits
 
     def start(self, prompt_ids, prompt_mask):  # -> (B, V) logits of the first response token
-        from transformers import DynamicCache
         self.mask, position = prompt_mask, positions(prompt_mask)  # (B, P) each
-        self.position, self.cache = position[:, -1:], {self.cache_kwarg: DynamicCache(), "use_cache": True}
+        self.position, self.cache = position[:, -1:], {"use_cache": True}
         return self._forward(prompt_ids, position)
 
     def step(self, token):  # token (B,) -> (B, V) logits of the next one
@@ -674,8 +749,9 @@ class PlainDecoder:
         return self._forward(token[:, None], self.position)
 
     def _forward(self, input_ids, position_ids):
-        return self.model(input_ids=input_ids, attention_mask=self.mask, position_ids=position_ids, **self.cache,
-                          **self.keep).logits[:, -1]
+        out = self.model(input_ids=input_ids, attention_mask=self.mask, position_ids=position_ids, **self.cache, **self.keep)
+        self.cache[self.cache_kwarg] = out.cache if self.cache_kwarg == "cache" else out.past_key_values
+        return out.logits[:, -1]
 
 
 class StaticDecoder(PlainDecoder):
@@ -695,10 +771,13 @@ class StaticDecoder(PlainDecoder):
         self.position = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
         self.column = torch.zeros(1, dtype=torch.long, device=device)  # the cache column the next token goes to
         self.graph, self.prefill, self.decode = None, model, model  # fast_decoder may swap in compiled model calls
-        self.start(self.token, torch.ones_like(self.token))  # allocates the cache (transformers does it lazily)
+        self.grouped = {"grouped_decode": True} if use_ppo_attention(model) else {}  # GQA without repeating K/V
+        self.start(self.token.expand(-1, 2), torch.ones_like(self.token).expand(-1, 2))  # allocates the cache
 
     def capture(self):  # CUDA: record one decode step as a graph, after a warm-up on a side stream (as required)
-        self.start(self.token, torch.ones_like(self.token))  # from column 1: the 3 steps below fit any cache
+        # a 2-token prompt (a compiled prefill specialises on length 1), then the 3 steps below: 5 columns, which
+        # fast_decoder makes every cache hold
+        self.start(self.token.expand(-1, 2), torch.ones_like(self.token).expand(-1, 2))
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # the outer context: a failed capture still gives the stream back
@@ -737,7 +816,7 @@ class StaticDecoder(PlainDecoder):
         self.column.add_(1)
         self.position.add_(1)
         return self.decode(input_ids=self.token, attention_mask=self.mask[:, None, None, :], position_ids=self.position,
-                          **self.cache, **self.keep).logits[:, -1]
+                           **self.cache, **self.keep, **self.grouped).logits[:, -1]
 
 
 def agrees_with_plain_loop(decoder, model, batch_size: int):  # raises if decoder's logits are not the plain loop's
@@ -758,15 +837,16 @@ def fast_decoder(model, batch_size: int, max_len: int, compiled=False, threads=0
     else a PlainDecoder (or no graph), with a message that says why. compiled: its prefill and decode step go through
     torch.compile (dynamic shapes for the prompt length, static for the step), compiled here under `threads`
     intra-op threads (0 = as now), the number the sampler runs with: the compiled code is specialised to it."""
+    name = type(model).__name__
     try:
-        decoder = StaticDecoder(model, batch_size, max(max_len, 5))  # (the check writes 5 columns)
+        decoder = StaticDecoder(model, batch_size, max(max_len, 5))  # (the check and capture() write 5 columns)
         agrees_with_plain_loop(decoder, model, batch_size)
     except Exception as e:  # a model family the fast path does not support: sample with the plain loop
-        print(f"fast sampler off for {type(model).__name__} ({str(e).splitlines()[0][:200]}); using the plain decode loop")
+        fall_back(f"fast sampler off for {name} ({str(e).splitlines()[0][:200]}); using the plain decode loop")
         return PlainDecoder(model)
     if compiled:
         t0, now = time.perf_counter(), torch.get_num_threads()
-        print(f"compiling the sampler ({type(model).__name__}, {batch_size} rows) with torch.compile ...", flush=True)
+        print(f"compiling the sampler ({name}, {batch_size} rows) with torch.compile ...", flush=True)
         try:
             torch.set_num_threads(threads or now)
             decoder.prefill, decoder.decode = torch.compile(model, dynamic=True), torch.compile(model, dynamic=False)
@@ -774,7 +854,7 @@ def fast_decoder(model, batch_size: int, max_len: int, compiled=False, threads=0
             print(f"compiled in {time.perf_counter() - t0:.0f} s")
         except Exception as e:  # e.g. no C++ compiler on a CPU machine, or an op inductor does not support
             decoder.prefill = decoder.decode = model
-            print(f"torch.compile off for the sampler ({str(e).splitlines()[0][:200]}); the static cache decodes eagerly")
+            fall_back(f"torch.compile off for the sampler ({str(e).splitlines()[0][:200]}); the static cache decodes eagerly")
         finally:
             torch.set_num_threads(now)
     if model.device.type == "cuda":
@@ -784,22 +864,23 @@ def fast_decoder(model, batch_size: int, max_len: int, compiled=False, threads=0
         except Exception as e:  # e.g. a host sync inside the model's forward (dynamic RoPE)
             torch.cuda.synchronize()
             decoder.graph = None
-            print(f"CUDA graph off for {type(model).__name__} ({str(e).splitlines()[0][:200]}); the static cache "
-                  "decodes eagerly")
+            fall_back(f"CUDA graph off for {name} ({str(e).splitlines()[0][:200]}); the static cache decodes eagerly")
     return decoder
 
 
 @torch.no_grad()
-def generate(sampler, prompt_ids, prompt_mask, *, max_new_tokens, temperature, eos_id, pad_id, generator,
-             top_k=0, top_p=1.0, policy_version=0, between_steps=None):
+def generate(sampler, prompt_ids, prompt_mask, *, max_new_tokens, temperature, stop_ids, pad_id, generator,
+             top_k=0, top_p=1.0, vocab=None, policy_version=0, between_steps=None):
     """Batched sampling, our own loop (not model.generate, so every detail is visible): left-padded prompts with
-    position ids cumsum(mask) - 1, logits / temperature, optional top-k/top-p, per-row stop at EOS with pad after it,
-    and each token's log-prob recorded at sampling time by the same function the trainer scores with.
+    position ids cumsum(mask) - 1, logits / temperature, optional top-k/top-p, per-row stop at any of stop_ids (the
+    stop token is kept, pads follow it), and each token's log-prob recorded at sampling time by the same function
+    the trainer scores with. vocab: sample ids < vocab only (the tokenizer's own tokens: never our added pad).
     sampler: a model (the plain loop) or a decoder (PlainDecoder / StaticDecoder, e.g. from fast_decoder).
     between_steps: called between decode steps, returns the sampler's policy version (in-flight weight updates: the
     KV cache keeps the old weights' keys and values, as in PipelineRL; every token is tagged with its version)."""
     decoder = PlainDecoder(sampler) if isinstance(sampler, nn.Module) else sampler
-    logits = decoder.start(prompt_ids, prompt_mask)  # (B, V)
+    logits = decoder.start(prompt_ids, prompt_mask)[:, :vocab]  # (B, V)
+    stop_ids = torch.as_tensor(stop_ids, device=prompt_ids.device).reshape(-1)
     done = torch.zeros(prompt_ids.shape[0], dtype=torch.bool, device=prompt_ids.device)
     tokens, masks, logprobs, kept, versions = [], [], [], [], []
     for t in range(max_new_tokens):
@@ -808,19 +889,19 @@ def generate(sampler, prompt_ids, prompt_mask, *, max_new_tokens, temperature, e
         if top_k > 0 or top_p < 1.0:
             scaled, kept_ids = truncate_logits(scaled, top_k, top_p)
             kept.append(kept_ids)
-        token = torch.multinomial(torch.softmax(scaled, -1), 1, generator=generator).squeeze(1)  # (B,)
+        token = sample_tokens(torch.softmax(scaled, -1), generator)  # (B,)
         logprob = token_logprobs(logits, token, temperature, kept_ids=kept_ids)[0]  # (B,)
         alive = ~done
         tokens.append(torch.where(alive, token, pad_id))
         masks.append(alive)
         logprobs.append(torch.where(alive, logprob, 0.0))
         versions.append(policy_version)
-        done = done | (alive & (token == eos_id))
+        done = done | (alive & torch.isin(token, stop_ids))
         if t == max_new_tokens - 1 or (t % 4 == 3 and bool(done.all())):  # one host sync every 4 steps, not every step
             break
         if between_steps is not None:
             policy_version = between_steps()
-        logits = decoder.step(tokens[-1])
+        logits = decoder.step(tokens[-1])[:, :vocab]
     response = torch.stack(tokens, 1)  # (B, T)
     return Rollout(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response=response,
                    response_mask=torch.stack(masks, 1).long(), behav_logprobs=torch.stack(logprobs, 1),
@@ -839,7 +920,7 @@ def decode_completions(tokenizer, batch: Rollout):
 
 
 def masked_mean(x, mask, denom=None):  # mean of x over mask == 1 (or sum / denom); NaN-safe outside the mask
-    return torch.where(mask.bool(), x, 0.0).sum() / (mask.sum() if denom is None else denom).clamp(min=1)
+    return torch.where(mask.bool(), x, 0.0).sum() / (mask.sum().clamp(min=1) if denom is None else denom)
 
 
 def masked_whiten(x, mask):
@@ -916,8 +997,10 @@ def pack_sequences(batch: Rollout):
 
 
 def full_sequence(batch: Rollout):  # prompt + response as one left-padded sequence, its mask and position ids
-    input_ids = torch.cat([batch.prompt_ids, batch.response], 1)  # (B, P+T)
     attention_mask = torch.cat([batch.prompt_mask, batch.response_mask], 1)  # (B, P+T)
+    # id 0 on the pads, which no real position sees: our pad id lies outside the embedding of a reward model (and of
+    # the critic copied from it) that shares the policy's vocabulary
+    input_ids = torch.cat([batch.prompt_ids, batch.response], 1).masked_fill(attention_mask == 0, 0)  # (B, P+T)
     return input_ids, attention_mask, positions(attention_mask)
 
 
@@ -1092,7 +1175,8 @@ def ppo_update(policy, critic, policy_opt, critic_opt, batch: Rollout, cfg: Conf
     sums, n_steps, first_ratio_max_dev = {}, 0, torch.zeros(())
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     minibatches = [rows for order in row_orders[:cfg.ppo_epochs] for rows in order.to(batch.response.device).split(minibatch_size)]
-    tokens = all_reduce(torch.stack([batch.loss_mask[rows].sum() for rows in minibatches])) / world  # one collective
+    # (one collective; a minibatch without a token on any rank divides by 1, not 0)
+    tokens = all_reduce(torch.stack([batch.loss_mask[rows].sum() for rows in minibatches])).clamp(min=1) / world
     device, all_micro_rows = batch.response.device, micro_batch_rows(batch, minibatches, cfg, ranks_agree=True)
     for i, micro_rows in enumerate(all_micro_rows):
         epoch, minibatch, mb_tokens = i // cfg.minibatches, i % cfg.minibatches, tokens[i]
@@ -1140,6 +1224,11 @@ def ppo_update(policy, critic, policy_opt, critic_opt, batch: Rollout, cfg: Conf
 # the built-in demo: supervised warm-up and held-out evaluation
 
 
+def sampling_args(cfg: Config, run) -> dict:  # generate()'s keyword arguments for this run's rollouts
+    return dict(max_new_tokens=cfg.response_length, temperature=cfg.temperature, stop_ids=run.stop_ids,
+                pad_id=run.tokenizer.pad_token_id, top_k=cfg.top_k, top_p=cfg.top_p, vocab=run.vocab)
+
+
 def answer_batch(tokenizer, prompt_ids, answers, device):
     """A Rollout holding prompts and given answers (+ EOS), the layout sampling produces; for supervised steps."""
     ids, mask = left_pad(prompt_ids, tokenizer.pad_token_id, device)
@@ -1160,7 +1249,7 @@ def evaluate(policy, tokenizer, prompt_ids, prompt_texts, cfg: Config, seed: int
     for start in range(0, len(prompt_ids), chunk):
         ids, mask = left_pad(prompt_ids[start:start + chunk], tokenizer.pad_token_id, device)
         batch = generate(policy, ids, mask, max_new_tokens=cfg.response_length, temperature=cfg.temperature,
-                         eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, generator=generator,
+                         stop_ids=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, generator=generator,
                          top_k=cfg.top_k, top_p=cfg.top_p)
         texts, completions = prompt_texts[start:start + chunk], decode_completions(tokenizer, batch)
         correct += sum(s * e for s, e in zip(addition_reward(texts, completions), batch.ended.tolist()))
@@ -1257,13 +1346,13 @@ class WeightSync:
         self.staging = self.sampler_flat.clone()
         self.cuda = self.sampler_flat.is_cuda
         self.lock = threading.Condition()
-        self.version, self.sampler_version, self.seconds = 0, 0, {}  # seconds: each copy's last duration
+        self.version, self.sampler_version = 0, 0
+        self.seconds = {"publish": 0.0, "pull": 0.0}  # each copy's last duration (fixed keys: two threads write it)
         self.events = {}  # name -> (start, end) CUDA events of each copy, for ordering and device time
 
     @torch.no_grad()
     def _copy(self, name: str, dst, src, after: str):  # dst <- src on the current stream, once `after` is done
         # (src None: gather the trainer's sharded parameters into dst)
-        t0 = time.perf_counter()
         if self.cuda:
             if name not in self.events:
                 self.events[name] = tuple(torch.cuda.Event(enable_timing=True) for _ in range(2))
@@ -1278,27 +1367,33 @@ class WeightSync:
                 view.copy_(getattr(p, "full_tensor", lambda: p)().reshape(-1))
         if self.cuda:
             end.record()
-        self.seconds[name] = time.perf_counter() - t0  # (CUDA: replaced by the device time in sync_ms)
+
+    def _time(self, name: str, t0: float):  # the thread that made copy `name` waits for it and records its duration
+        if self.cuda:  # (device time; each thread reads only its own events, which no other thread re-records)
+            self.events[name][1].synchronize()  # a ~1 ms copy
+            self.seconds[name] = self.events[name][0].elapsed_time(self.events[name][1]) / 1e3
+        else:
+            self.seconds[name] = time.perf_counter() - t0
 
     def publish(self, version: int):  # trainer thread, after the optimizer steps of an update
         with self.lock:
+            t0 = time.perf_counter()
             self._copy("publish", self.staging, self.trainer_flat, after="pull")  # the sampler is done reading staging
             self.version = version
             self.lock.notify_all()
+        self._time("publish", t0)
 
     def pull(self) -> int:  # sampler thread, between batches (or decode steps): take the newest version
         with self.lock:
-            if self.version != self.sampler_version:
-                self._copy("pull", self.sampler_flat, self.staging, after="publish")
-                self.sampler_version = self.version
-            return self.sampler_version
+            if self.version == self.sampler_version:
+                return self.sampler_version
+            t0 = time.perf_counter()
+            self._copy("pull", self.sampler_flat, self.staging, after="publish")
+            self.sampler_version = self.version
+        self._time("pull", t0)
+        return self.sampler_version
 
     def sync_ms(self) -> float:  # the last publish's + the last pull's copy time (device time on CUDA)
-        if self.cuda:
-            self.events["publish"][1].synchronize()  # a ~1 ms copy
-            for name, (start, end) in self.events.items():
-                if end.query():
-                    self.seconds[name] = start.elapsed_time(end) / 1e3
         return 1e3 * sum(self.seconds.values())
 
     def wait_for(self, version: int, stop: threading.Event):  # sampler: block until `version` is published
@@ -1386,7 +1481,7 @@ class Producer:
             raise item
         if self.stream is not None:  # memory made on the sampler's stream, now also used on the trainer's
             for t in vars(item).values():
-                if isinstance(t, torch.Tensor):
+                if isinstance(t, torch.Tensor) and t.is_cuda:  # (not sampler_rng, a CPU generator's state)
                     t.record_stream(torch.cuda.current_stream())
         return item
 
@@ -1514,17 +1609,27 @@ def save_checkpoint(output_dir: str, step: int, actor, critic, optimizers, token
     torch.save(critic_state, os.path.join(tmp, "critic.pt"))
     torch.save({**state, "optimizers": optimizer_states, "ranks": ranks}, os.path.join(tmp, "trainer_state.pt"))
     write_json(dataclasses.asdict(cfg), os.path.join(tmp, "config.json"))
-    for directory, _, files in os.walk(tmp):  # on disk before the rename makes the checkpoint count
+    for directory, _, files in os.walk(tmp):  # on disk, names included, before the rename makes the checkpoint count
         for name in files:
             with open(os.path.join(directory, name), "rb") as f:
                 os.fsync(f.fileno())
+        fsync_directory(directory)
     if os.environ.get("PPO_TOKENS_TEST_KILL_AT_CHECKPOINT") == str(step):  # test hook: die between write and rename
         os.kill(os.getpid(), signal.SIGKILL)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
+    fsync_directory(root)  # the rename itself on disk
     for old in checkpoints(output_dir)[:-cfg.keep_checkpoints]:
         shutil.rmtree(old)
     return final
+
+
+def fsync_directory(path: str):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def load_checkpoint(path: str, actor, critic, optimizers, schedules, ctx: Dist = Dist()) -> dict:
@@ -1603,6 +1708,11 @@ def setup(cfg: Config, ctx: Dist = Dist()):
     that can be checked cheaply (prompts, reward function, model paths, lengths) is, before the warm-up."""
     name = cfg.device if cfg.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(f"cuda:{ctx.local_rank}" if name == "cuda" else name)  # one GPU per local rank
+    if device.type == "cuda":  # the current device: Triton launches, streams, events and graphs use it
+        torch.cuda.set_device(device)
+        # fp32 matmuls (trainer, fp32 heads, fp32 frozen models) in TF32: fp32 accumulation over 10-bit-mantissa
+        # inputs, several times IEEE fp32's speed on tensor cores; --no-tf32 keeps IEEE fp32
+        torch.set_float32_matmul_precision("high" if cfg.tf32 else "highest")
     dtype = getattr(torch, cfg.dtype)
     torch.manual_seed(cfg.seed)
     prompt_texts = load_prompts(cfg.prompts) if cfg.prompts else None
@@ -1617,12 +1727,21 @@ def setup(cfg: Config, ctx: Dist = Dist()):
     else:
         tokenizer = build_demo_tokenizer()
         policy = build_demo_policy(tokenizer, cfg.seed, cfg.demo_hidden, cfg.demo_layers)
+    if policy.config.model_type in ("rwkv", "xlstm", "recurrent_gemma", "mamba", "falcon_mamba"):
+        raise SystemExit(f"--model {cfg.model}: {policy.config.model_type} is not supported: its recurrent state ignores "
+                         "left padding or its 1-token decode steps (the sampler batches left-padded prompts)")
     if tokenizer.eos_token_id is None:
         raise SystemExit(f"the tokenizer of {cfg.model or 'the demo'} has no EOS token; set eos_token in its config")
-    ensure_pad_token(tokenizer, policy)
+    stop_ids = stop_token_ids(tokenizer, policy)
+    vocab = ensure_pad_token(tokenizer, policy, stop_ids)
     disable_dropout(policy)
     policy.to(device, torch.float32).eval()  # fp32 master weights (bf16 Adam updates round away); eval: no dropout
-    run = dict(tokenizer=tokenizer, policy=policy, eval_ids=None, eval_texts=None, prompt_texts=prompt_texts)
+    if not cfg.full_logits and not fused_head_agrees(policy, vocab):
+        fall_back(f"{type(policy).__name__} post-processes its logits (they are not hidden @ lm_head.weight.T): "
+                  "log-probs from its full logits (--full-logits)")
+        cfg.full_logits = True
+    run = dict(tokenizer=tokenizer, policy=policy, eval_ids=None, eval_texts=None, prompt_texts=prompt_texts,
+               stop_ids=stop_ids, vocab=vocab)
     if not cfg.prompts:
         # all (a, b) in 0..99 x 0..99, split into training and held-out pairs once: the same split for every --seed
         pairs = [divmod(i, 100) for i in torch.randperm(10_000, generator=torch.Generator().manual_seed(1234)).tolist()]
@@ -1655,11 +1774,12 @@ def setup(cfg: Config, ctx: Dist = Dist()):
         if cfg.micro_batch_tokens < longest + cfg.response_length:
             raise SystemExit(f"--micro-batch-tokens {cfg.micro_batch_tokens} is less than the longest sequence (a "
                              f"{longest}-token prompt + --response-length {cfg.response_length}); raise it")
-        use_packed_attention(backbone_of(policy))  # before the copies: the reference and sampler inherit it
-    run["reference"] = cast_parameters(copy.deepcopy(policy), dtype).requires_grad_(False)
+        use_packed_attention(backbone_of(policy), cfg.bf16)  # before the copies: the reference and sampler inherit it
+    reference = cast_parameters(copy.deepcopy(policy), dtype).requires_grad_(False)
+    run["reference"] = Actor(reference, cfg.temperature, cfg.full_logits, vocab)
     run["critic"] = build_critic(policy, reward_model, same_tokenizer)
     if cfg.micro_batch_tokens:  # (a critic from the reward model has its own attention set-up)
-        use_packed_attention(run["critic"].backbone)
+        use_packed_attention(run["critic"].backbone, cfg.bf16)
     print(f"policy {sum(p.numel() for p in policy.parameters()) / 1e6:.2f}M parameters on {device}; critic from "
           f"{'the reward model' if reward_model is not None and same_tokenizer else 'the policy, zero-initialised head'}")
     return dataclasses.make_dataclass("Run", run.keys())(**run)
@@ -1678,12 +1798,14 @@ def wrap_for_training(model, cfg: Config):
     """Under torchrun: DDP (replicated, gradients all-reduced) or --fsdp FSDP2 (each decoder layer, then the root)."""
     if not torch.distributed.is_initialized():
         return model
-    if cfg.fsdp:
-        from torch.distributed.fsdp import fully_shard
-        for layer in decoder_layers(model):
-            fully_shard(layer)
-        return fully_shard(model)
     device = next(model.parameters()).device
+    if cfg.fsdp:  # on a mesh of the run's device type (without one, fully_shard moves a CPU run to cuda:0)
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
+        for layer in decoder_layers(model):
+            fully_shard(layer, mesh=mesh)
+        return fully_shard(model, mesh=mesh)
     return nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
 
 
@@ -1711,7 +1833,12 @@ def train(cfg: Config, run, output_dir: str, threaded=None, ctx: Dist = Dist()):
     policy, tokenizer, device = run.policy, run.tokenizer, run.policy.device
     sampler_dtype = torch.bfloat16 if device.type == "cuda" else policy.dtype  # inference copy: bf16 on GPU
     sampler = cast_parameters(copy.deepcopy(policy), sampler_dtype).requires_grad_(False)
-    sync = WeightSync(policy, sampler, sharded=cfg.fsdp and torch.distributed.is_initialized())  # packs the weights
+    sharded = cfg.fsdp and torch.distributed.is_initialized()
+    # FSDP2: the demo evaluates a full copy of its own, not the sampler, which its thread uses and updates
+    evaluator = copy.deepcopy(sampler) if sharded and run.eval_ids is not None else None
+    sync = WeightSync(policy, sampler, sharded)  # packs the weights
+    if evaluator is not None:  # its parameters become views of the published weights, which only this thread writes
+        torch.nn.utils.vector_to_parameters(sync.staging, evaluator.parameters())
     for model in (policy, run.critic) if cfg.gradient_checkpointing else ():  # (not the sampler copy, made above)
         checkpoint_layers(model)
     if cfg.bf16:
@@ -1755,10 +1882,8 @@ def train(cfg: Config, run, output_dir: str, threaded=None, ctx: Dist = Dist()):
             t0, version = time.perf_counter(), sync.pull()
             rows = [next(order) for _ in range(cfg.batch_size)][rank_rows]
             ids, mask = left_pad([run.prompt_ids[r] for r in rows], tokenizer.pad_token_id, device)
-            batch = generate(decoder, ids, mask, max_new_tokens=cfg.response_length, temperature=cfg.temperature,
-                             eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, generator=sample_generator,
-                             top_k=cfg.top_k, top_p=cfg.top_p, policy_version=version,
-                             between_steps=between_steps)
+            batch = generate(decoder, ids, mask, **sampling_args(cfg, run), generator=sample_generator,
+                             policy_version=version, between_steps=between_steps)
             batch.prompts, batch.completions = [run.prompt_texts[r] for r in rows], decode_completions(tokenizer, batch)
             batch.gen_s, batch.sampler_rng = time.perf_counter() - t0, sample_generator.get_state()  # (for a checkpoint)
         with tracer.span("score: reference, reward", "sampler"):
@@ -1775,12 +1900,8 @@ def train(cfg: Config, run, output_dir: str, threaded=None, ctx: Dist = Dist()):
         print(f"checkpoint: {path}", flush=True)
         return path
 
-    def evaluate_now():  # the demo's held-out accuracy of the trainer's current weights
-        if not cfg.fsdp:
-            return evaluate(policy, tokenizer, run.eval_ids, run.eval_texts, cfg, eval_seed)
-        with sync.lock:  # FSDP2: the sampler's full copy, brought up to date and held still while it is evaluated
-            sync.pull()
-            return evaluate(sampler, tokenizer, run.eval_ids, run.eval_texts, cfg, eval_seed)
+    def evaluate_now():  # the demo's held-out accuracy of the trainer's current (last published) weights
+        return evaluate(evaluator or policy, tokenizer, run.eval_ids, run.eval_texts, cfg, eval_seed)
 
     stop_signal = []  # the first SIGINT/SIGTERM ends the run after the current iteration, with a checkpoint
 
@@ -1854,7 +1975,8 @@ def train(cfg: Config, run, output_dir: str, threaded=None, ctx: Dist = Dist()):
                 if cfg.save_every and (step % cfg.save_every == 0 or step == cfg.steps):
                     last_checkpoint = checkpoint(step, batch)
             if any_rank(bool(stop_signal), device):  # every rank stops after the same iteration
-                last_checkpoint = checkpoint(step, batch)
+                if not str(last_checkpoint).endswith(f"step-{step:08d}"):  # (not just written by --save-every)
+                    last_checkpoint = checkpoint(step, batch)
                 stop_signal = stop_signal or ["a signal to another rank"]
                 print(f"stopped by {stop_signal[0]} after iteration {step}/{cfg.steps}; continue with: "
                       f"{'python' if ctx.world == 1 else f'torchrun --nproc_per_node {ctx.world}'} ppo_tokens.py --resume "
@@ -1872,7 +1994,10 @@ def train(cfg: Config, run, output_dir: str, threaded=None, ctx: Dist = Dist()):
         save_policy(policy, tokenizer, os.path.join(output_dir, "policy"), policy_state)
     if torch.distributed.is_initialized():  # DDP must keep the ranks' weights identical: check it, bit for bit
         digests = [None] * ctx.world
-        torch.distributed.all_gather_object(digests, hashlib.sha256(sync.staging.float().cpu().numpy().tobytes()).hexdigest()[:16])
+        digest = hashlib.sha256()
+        for chunk in sync.staging.split(1 << 26):  # 64M values at a time: no full host copy, no cast
+            digest.update(chunk.view(torch.uint8).cpu().numpy().tobytes())
+        torch.distributed.all_gather_object(digests, digest.hexdigest()[:16])
         print(f"actor weights (sha256 of the gathered weights) on each rank: {' '.join(digests)}")
         if len(set(digests)) > 1:
             raise SystemExit(f"the ranks' actor weights differ ({digests}); the data-parallel update is broken")
@@ -1962,8 +2087,8 @@ def bench_rollout(cfg: Config):
     if compiled is not None and compiled.decode is not sampler:  # (unless it fell back)
         decoders["compiled"] = compiled
     name, decoder = list(decoders.items())[-1]  # what train() samples with
-    ours = lambda d: generate(d, ids, mask, max_new_tokens=T, temperature=cfg.temperature, eos_id=-1,
-                              pad_id=tokenizer.pad_token_id, generator=torch.Generator(device).manual_seed(0))
+    ours = lambda d: generate(d, ids, mask, **{**sampling_args(cfg, run), "stop_ids": []},
+                              generator=torch.Generator(device).manual_seed(0))
     with torch.no_grad():
         hf = lambda: sampler.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=cfg.temperature,
                                       top_k=0, top_p=1.0, max_new_tokens=T, min_new_tokens=T,
@@ -1999,8 +2124,8 @@ def bench_rollout(cfg: Config):
                     ("packed", dataclasses.replace(cfg, micro_batch_size=0, micro_batch_tokens=budget))):
         actor, reference = copy.deepcopy(policy), copy.deepcopy(run.reference)
         if layout == "packed":
-            use_packed_attention(backbone_of(actor))
-            use_packed_attention(backbone_of(reference))
+            use_packed_attention(backbone_of(actor), cfg.bf16)
+            use_packed_attention(backbone_of(reference.policy), cfg.bf16)
         critic = build_critic(actor)
         for model in (actor, critic) if cfg.gradient_checkpointing else ():
             checkpoint_layers(model)

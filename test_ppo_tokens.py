@@ -9,6 +9,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: its kernels then run on CPU tensors
 KERNEL_DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+os.environ["PPO_TOKENS_STRICT"] = "1"  # a fast path that falls back is an error (fall_back), here and in subprocesses
 
 import json
 import math
@@ -44,7 +45,7 @@ def tokenizer():
 
 def demo_rollout(tokenizer, policy, texts, temperature=1.0, top_k=0, top_p=1.0, T=4, seed=0):
     ids, mask = pt.left_pad(pt.format_prompts(tokenizer, texts, False, 64), tokenizer.pad_token_id, "cpu")
-    batch = pt.generate(policy, ids, mask, max_new_tokens=T, temperature=temperature, eos_id=tokenizer.eos_token_id,
+    batch = pt.generate(policy, ids, mask, max_new_tokens=T, temperature=temperature, stop_ids=tokenizer.eos_token_id,
                         pad_id=tokenizer.pad_token_id, generator=torch.Generator().manual_seed(seed),
                         top_k=top_k, top_p=top_p)
     batch.prompts, batch.completions = texts, pt.decode_completions(tokenizer, batch)
@@ -157,6 +158,13 @@ def test_value_loss_is_clipped_textbook_formula():
                           torch.ones(1, 1), c)
     l1.backward()
     assert float(v1.grad) == 0.0 and abs(float(l1.detach()) - 0.5 * (10 - 0.2) ** 2) < 1e-12
+
+
+def test_a_given_loss_denominator_is_not_clamped():
+    x, mask = torch.tensor([1.0, 2.0, 99.0]), torch.tensor([1, 1, 0])
+    assert float(pt.masked_mean(x, mask)) == 1.5 and float(pt.masked_mean(x, torch.zeros(3))) == 0.0
+    # one real token over 2 ranks: each rank divides its sum by 1 / 2 (clamping that to 1 halved the gradient)
+    assert float(pt.masked_mean(x, mask, torch.tensor(0.5))) == 6.0
 
 
 def test_explained_variance():
@@ -468,7 +476,7 @@ class ScriptedLM(torch.nn.Module):
         logits = torch.full((input_ids.shape[0], input_ids.shape[1], self.V), -30.0)
         logits[torch.arange(input_ids.shape[0]), -1, self.script[:, self.calls]] = 30.0
         self.calls += 1
-        return SimpleNamespace(logits=logits)
+        return SimpleNamespace(logits=logits, cache=cache)
 
 
 def test_generate_stops_per_row_at_eos_pads_after_and_keeps_eos_in_mask(tokenizer):
@@ -480,7 +488,7 @@ def test_generate_stops_per_row_at_eos_pads_after_and_keeps_eos_in_mask(tokenize
     lm = ScriptedLM(script, len(tokenizer))
     texts = ["1+2=", "37+45=", "9+9="]  # ragged prompt lengths -> left padding
     ids, mask = pt.left_pad(pt.format_prompts(tokenizer, texts, False, 64), pad, "cpu")
-    batch = pt.generate(lm, ids, mask, max_new_tokens=5, temperature=1.0, eos_id=eos, pad_id=pad,
+    batch = pt.generate(lm, ids, mask, max_new_tokens=5, temperature=1.0, stop_ids=eos, pad_id=pad,
                         generator=torch.Generator().manual_seed(0), policy_version=3)
     assert batch.response.tolist() == [[d["4"], eos, pad, pad, pad], [d["1"], d["2"], d["3"], d["4"], d["5"]],
                                        [eos, pad, pad, pad, pad]]
@@ -498,7 +506,7 @@ def test_generate_exits_early_when_every_row_has_ended(tokenizer):
     eos = tokenizer.eos_token_id
     lm = ScriptedLM([[eos] * 16, [eos] * 16], len(tokenizer))
     ids, mask = pt.left_pad([[1, 5], [1, 6]], tokenizer.pad_token_id, "cpu")
-    batch = pt.generate(lm, ids, mask, max_new_tokens=16, temperature=1.0, eos_id=eos, pad_id=tokenizer.pad_token_id,
+    batch = pt.generate(lm, ids, mask, max_new_tokens=16, temperature=1.0, stop_ids=eos, pad_id=tokenizer.pad_token_id,
                         generator=torch.Generator())
     assert batch.response.shape[1] == 4 and lm.calls == 4  # checked every 4 steps, not after all 16
 
@@ -573,9 +581,101 @@ def test_pad_token_is_added_when_missing_or_equal_to_eos(tokenizer):
     eos = tok.eos_token_id
     lm = ScriptedLM([[eos, 5, 5]], len(tok))
     ids, mask = pt.left_pad([[1, 5]], tok.pad_token_id, "cpu")
-    batch = pt.generate(lm, ids, mask, max_new_tokens=3, temperature=1.0, eos_id=eos, pad_id=tok.pad_token_id,
+    batch = pt.generate(lm, ids, mask, max_new_tokens=3, temperature=1.0, stop_ids=eos, pad_id=tok.pad_token_id,
                         generator=torch.Generator())
     assert batch.response_mask.tolist() == [[1, 0, 0]] and batch.response[0, 1] == tok.pad_token_id != eos
+
+
+def test_sampling_draws_torch_multinomials_tokens_bit_for_bit():
+    for seed, (B, V) in enumerate([(64, 37), (5, 1000), (1, 2)]):
+        logits = torch.randn(B, V, generator=torch.Generator().manual_seed(seed)) * 4
+        logits[:, : V // 3] = float("-inf")  # zero-probability ids, as after top-k / top-p
+        probs = torch.softmax(logits, -1)
+        for draw in range(3):
+            expected = torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(draw)).squeeze(1)
+            assert torch.equal(pt.sample_tokens(probs, torch.Generator().manual_seed(draw)), expected)
+
+
+def test_every_stop_id_of_the_generation_config_ends_a_row(tokenizer):
+    import copy
+    from transformers import GenerationConfig
+    tok, eos, pad = copy.deepcopy(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id
+    eot, d = tok.convert_tokens_to_ids("+"), {c: tok.convert_tokens_to_ids(c) for c in "0123456789"}
+    model = tiny_llama(len(tok), dtype=torch.float32)
+    model.generation_config = GenerationConfig(eos_token_id=[eot, eos])  # a chat model's end-of-turn and EOS
+    stop_ids = pt.stop_token_ids(tok, model)
+    assert stop_ids == sorted([eot, eos])
+    lm = ScriptedLM([[d["4"], eot, d["1"], d["1"]], [d["1"], eos, d["5"], d["5"]], [d["1"]] * 4], len(tok))
+    ids, mask = pt.left_pad([[1, 5], [1, 6], [1, 7]], pad, "cpu")
+    batch = pt.generate(lm, ids, mask, max_new_tokens=4, temperature=1.0, stop_ids=stop_ids, pad_id=pad,
+                        generator=torch.Generator())
+    assert batch.response.tolist() == [[d["4"], eot, pad, pad], [d["1"], eos, pad, pad], [d["1"]] * 4]
+    assert batch.response_mask.tolist() == [[1, 1, 0, 0], [1, 1, 0, 0], [1] * 4]  # the stop token is real
+    assert batch.ended.tolist() == [True, True, False]  # so no missing-EOS penalty for the first two
+    assert pt.decode_completions(tok, batch) == ["4", "1", "1111"]  # the text ends before the stop token
+    rewards = pt.per_token_rewards(torch.ones(3), torch.zeros(3, 4), batch.response_mask, 0.0)
+    assert rewards.tolist() == [[0, 1, 0, 0], [0, 1, 0, 0], [0, 0, 0, 1]]  # the score lands on the stop token
+    tok.pad_token = "+"  # a pad that is a stop id (Qwen's <|endoftext|>) is replaced by one of our own
+    pt.ensure_pad_token(tok, model, stop_ids)
+    assert tok.pad_token == pt.PAD_TOKEN and tok.pad_token_id not in stop_ids
+
+
+def test_our_added_pad_token_is_never_sampled_and_scoring_agrees(tokenizer):
+    import copy
+    tok = copy.deepcopy(tokenizer)
+    tok.pad_token = tok.eos_token  # no pad of its own: ensure_pad_token adds one, a new id past the vocabulary
+    policy = tiny_llama(len(tok), seed=3)
+    vocab = pt.ensure_pad_token(tok, policy)
+    assert vocab == len(tokenizer) == tok.pad_token_id < policy.lm_head.weight.shape[0]
+    ids, mask = pt.left_pad(pt.format_prompts(tok, ["1+2=", "37+45=", "9+90="], False, 64), tok.pad_token_id, "cpu")
+    with torch.no_grad():  # make the new row's logit dominate: unmasked, the pad would be sampled nearly always
+        hidden = policy.model(input_ids=ids).last_hidden_state.mean((0, 1))
+        policy.lm_head.weight[tok.pad_token_id] = 20 * hidden / hidden.square().sum()
+    kwargs = dict(max_new_tokens=6, temperature=1.0, stop_ids=tok.eos_token_id, pad_id=tok.pad_token_id)
+    unmasked = pt.generate(policy, ids, mask, **kwargs, generator=torch.Generator().manual_seed(0))
+    assert (unmasked.response[unmasked.response_mask.bool()] == tok.pad_token_id).any()  # the test can fail
+    batch = pt.generate(policy, ids, mask, **kwargs, vocab=vocab, generator=torch.Generator().manual_seed(0))
+    assert (batch.response[batch.response_mask.bool()] < vocab).all()
+    scored, _ = pt.sequence_logprobs(policy, *pt.full_sequence(batch), batch.response, batch.response_mask, 1.0,
+                                     vocab=vocab)  # sampler and scorer: the same distribution over ids < vocab
+    torch.testing.assert_close(scored, batch.behav_logprobs, rtol=0, atol=1e-9)
+    full, _ = pt.sequence_logprobs(policy, *pt.full_sequence(batch), batch.response, batch.response_mask, 1.0,
+                                   full_logits=True, vocab=vocab)
+    torch.testing.assert_close(full, scored, rtol=0, atol=1e-9)
+    assert pt.full_sequence(batch)[0].max() < vocab  # no model ever reads our pad id (a reward model lacks its row)
+
+
+def test_fused_head_is_checked_against_the_models_own_logits(tokenizer):
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+    policy = tiny_llama(len(tokenizer), dtype=torch.float32)
+    assert pt.fused_head_agrees(policy)
+    head = policy.lm_head  # a model that scales its logits in its own code (as Falcon-H1's lm_head_multiplier)
+    policy.lm_head = torch.nn.Linear(32, len(tokenizer), bias=False)
+    policy.lm_head.weight = head.weight
+    policy.lm_head.forward = lambda h: torch.nn.functional.linear(h, head.weight) * 0.5
+    assert not pt.fused_head_agrees(policy)
+    torch.manual_seed(0)
+    gemma = Gemma2ForCausalLM(Gemma2Config(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1,
+                                           num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                           intermediate_size=64, final_logit_softcapping=0.5)).eval()
+    assert not pt.fused_head_agrees(gemma)  # softcapping
+
+
+def test_hybrid_models_sample_with_their_own_cache_and_scoring_agrees(tokenizer):
+    """Falcon-H1 (Mamba-2 and attention layers side by side): the plain loop lets the model build its hybrid cache
+    (a bare DynamicCache crashed with an IndexError), and its logit multiplier rules out the fused head."""
+    from transformers import FalconH1Config, FalconH1ForCausalLM
+    torch.manual_seed(0)
+    policy = FalconH1ForCausalLM(FalconH1Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                                                num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                                head_dim=16, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8,
+                                                mamba_n_groups=1, mamba_d_state=8, mamba_chunk_size=4,
+                                                lm_head_multiplier=0.5, max_position_embeddings=64)).double().eval()
+    assert not pt.fused_head_agrees(policy)
+    batch = demo_rollout(tokenizer, policy, ["1+2=", "37+45=", "9+90="], T=5)  # ragged: left-padded prompts
+    logprobs, _ = pt.sequence_logprobs(policy, *pt.full_sequence(batch), batch.response, batch.response_mask, 1.0,
+                                       full_logits=True)
+    torch.testing.assert_close(logprobs, batch.behav_logprobs, rtol=0, atol=1e-8)
 
 
 def test_dropout_is_off_in_every_model():
@@ -724,6 +824,14 @@ def test_reward_model_scores_at_last_token_with_same_or_different_tokenizer(toke
     last = batch.response_mask.sum(-1) + P - 1
     torch.testing.assert_close(same, torch.stack([rm(ids[i:i + 1], mask[i:i + 1], pos[i:i + 1])[0, last[i]]
                                                   for i in range(3)]), rtol=1e-5, atol=1e-5)
+    # a chat template: a truncated completion stays an open assistant turn (no end-of-turn), a finished one is closed
+    other.chat_template = ("{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}{% if m['role'] == 'assistant' "
+                           "%}<eos>{% endif %}{% endfor %}")
+    texts, render = [], other.apply_chat_template
+    other.apply_chat_template = lambda *a, **k: texts.append(render(*a, **k)) or texts[-1]
+    batch.ended = torch.tensor([True, False, True])
+    pt.reward_model_scores(rm, other, tokenizer, batch, True, 2)
+    assert texts == ["u:1+2=a:3<eos>", "u:37+45=a:82", "u:9+90=a:<eos>"]
 
 
 def test_config_errors_name_the_flags(capsys):
@@ -825,6 +933,29 @@ def test_model_directory_prompts_file_and_reward_function(tmp_path, tokenizer):
     assert all(r["response_tokens"] <= 16 * 5 for r in records)
 
 
+def test_a_tokenizer_without_pad_and_a_reward_model_of_the_same_vocabulary(tmp_path, tokenizer):
+    """As Llama 3 base: no pad token, so ensure_pad_token adds one past the reward model's (and so the critic's)
+    embedding; neither may ever read it, and the policy may never sample it."""
+    import copy
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+    tok = copy.deepcopy(tokenizer)
+    tok.pad_token = None
+    tiny_llama(len(tok), dtype=torch.float32).save_pretrained(tmp_path / "policy_in")
+    rm = LlamaForSequenceClassification(LlamaConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=1,
+                                                    num_attention_heads=2, intermediate_size=64, num_labels=1))
+    for path, model in (("policy_in", None), ("rm", rm)):
+        if model is not None:
+            model.save_pretrained(tmp_path / path)
+        tok.save_pretrained(tmp_path / path)
+    with open(tmp_path / "prompts.jsonl", "w") as f:
+        f.writelines(json.dumps({"prompt": f"{a}+{a * 37}="}) + "\n" for a in range(20))  # ragged: left pads
+    run_script([*TINY, "--model", str(tmp_path / "policy_in"), "--prompts", str(tmp_path / "prompts.jsonl"),
+                "--reward-model", str(tmp_path / "rm"), "--response-length", "5", "--output-dir", str(tmp_path / "run")],
+               tmp_path)
+    records = check_outputs(tmp_path / "run", 3)
+    assert all(math.isfinite(r["reward_mean"]) for r in records)
+
+
 def test_bad_reward_function_output_is_a_clear_error(tmp_path):
     (tmp_path / "bad_rewards.py").write_text("def short(prompts, completions):\n    return [1.0]\n")
     proc = subprocess.run([sys.executable, SCRIPT, *TINY, "--reward", "bad_rewards:short", "--output-dir",
@@ -912,7 +1043,7 @@ def test_inflight_updates_tag_each_token_with_its_version(tokenizer):
 
     ids, mask = pt.left_pad(pt.format_prompts(tokenizer, ["1+2=", "37+45="], False, 64), tokenizer.pad_token_id, "cpu")
     eos = 999  # never sampled: every row runs all 5 steps
-    batch = pt.generate(sampler, ids, mask, max_new_tokens=5, temperature=1.0, eos_id=eos, pad_id=tokenizer.pad_token_id,
+    batch = pt.generate(sampler, ids, mask, max_new_tokens=5, temperature=1.0, stop_ids=eos, pad_id=tokenizer.pad_token_id,
                         generator=torch.Generator().manual_seed(0), between_steps=between_steps)
     assert batch.policy_version.tolist() == [[0, 0, 1, 1, 1]] * 2  # a mixed-version sequence
     assert all(torch.equal(p, q) for p, q in zip(policy.parameters(), sampler.parameters()))
@@ -1128,6 +1259,10 @@ def test_bad_input_is_refused_with_one_clear_line(tmp_path, capsys, monkeypatch,
     no_eos.eos_token = None
     tiny_llama(len(tokenizer), dtype=torch.float32).save_pretrained(tmp_path / "no_eos")
     no_eos.save_pretrained(tmp_path / "no_eos")
+    from transformers import MambaConfig, MambaForCausalLM  # a recurrent state the batched sampler cannot drive
+    MambaForCausalLM(MambaConfig(vocab_size=len(tokenizer), hidden_size=16, num_hidden_layers=1, state_size=4,
+                                 expand=1)).save_pretrained(tmp_path / "mamba")
+    tokenizer.save_pretrained(tmp_path / "mamba")
     os.makedirs(tmp_path / "old_run/checkpoints/step-00000003")
     base = [*LOOP, "--steps", "1"]
     with_prompts = lambda f: [*base, "--prompts", str(tmp_path / f)]
@@ -1147,6 +1282,7 @@ def test_bad_input_is_refused_with_one_clear_line(tmp_path, capsys, monkeypatch,
              ([*base, "--reward", "bad_rewards_2:words"], 1, "the reward function must return a list of numbers"),
              ([*base, "--reward", "bad_rewards_2:missing"], 1, "--reward 'bad_rewards_2:missing': cannot load it"),
              ([*with_prompts("good.jsonl"), "--model", str(tmp_path / "no_eos")], 1, "has no EOS token"),
+             ([*with_prompts("good.jsonl"), "--model", str(tmp_path / "mamba")], 1, "mamba is not supported"),
              ([*base, "--batch-size", "15"], 2, "--batch-size 15 must be divisible by --minibatches 2"),
              ([*base, "--temperature", "-1"], 2, "--temperature must be > 0"),
              ([*base, "--output-dir", str(tmp_path / "old_run")], 1, "already holds a run (metrics.jsonl, checkpoints); "
@@ -1250,6 +1386,9 @@ def test_batch_sizes_are_checked_against_the_world_size(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         pt.parse_config(["--batch-size", "32", "--minibatches", "2", "--micro-batch-size", "3"])
     assert "the minibatch size per rank (--batch-size 32 / --minibatches 2 x 4 ranks" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # one device per rank, cuda:LOCAL_RANK (checked before CUDA's presence)
+        pt.parse_config(["--batch-size", "32", "--device", "cuda:1"])
+    assert "--device cuda:1: under torchrun each rank uses cuda:LOCAL_RANK" in capsys.readouterr().err
 
 
 if __name__ == "__main__":  # torchrun test_ppo_tokens.py OUT: the two-rank half of the world-size test above
@@ -1264,8 +1403,10 @@ if __name__ == "__main__":  # torchrun test_ppo_tokens.py OUT: the two-rank half
 @pytest.mark.parametrize("family,dtype,top_k,compiled", [("llama", torch.float64, 0, False), ("llama", torch.float32, 5, False),
                                                          ("gpt2", torch.float64, 0, False), ("sliding", torch.float64, 0, False),
                                                          ("llama", torch.float32, 0, True)])
-def test_fast_sampler_gives_the_plain_loops_tokens_and_logprobs(tokenizer, family, dtype, top_k, compiled, capsys):
+def test_fast_sampler_gives_the_plain_loops_tokens_and_logprobs(tokenizer, family, dtype, top_k, compiled, capsys,
+                                                               monkeypatch):
     if family == "sliding":  # sliding-window layers: not supported, the check falls back to the plain loop
+        monkeypatch.delenv("PPO_TOKENS_STRICT")  # (which is an error under the strict switch)
         from transformers import MistralConfig, MistralForCausalLM
         torch.manual_seed(2)
         policy = MistralForCausalLM(MistralConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2,
@@ -1282,7 +1423,7 @@ def test_fast_sampler_gives_the_plain_loops_tokens_and_logprobs(tokenizer, famil
     assert type(decoder) is (pt.PlainDecoder if family == "sliding" else pt.StaticDecoder)
     assert ("fast sampler off for MistralForCausalLM" in out) == (family == "sliding") and "torch.compile off" not in out
     assert (family != "sliding" and decoder.decode is not policy and decoder.prefill is not policy) == compiled
-    sample = lambda sampler: pt.generate(sampler, ids, mask, max_new_tokens=10, temperature=0.9, eos_id=tokenizer.eos_token_id,
+    sample = lambda sampler: pt.generate(sampler, ids, mask, max_new_tokens=10, temperature=0.9, stop_ids=tokenizer.eos_token_id,
                                          pad_id=tokenizer.pad_token_id, generator=torch.Generator().manual_seed(7), top_k=top_k)
     batches = [sample(policy)]
     if compiled:  # in a thread with one intra-op thread, like the Producer's: the compiled code runs, not a recompile
@@ -1341,6 +1482,51 @@ def test_packed_scoring_equals_padded_scoring(tokenizer, family):
                                                num_attention_heads=4, num_key_value_heads=2, sliding_window=3))
     with pytest.raises(SystemExit, match="cannot run packed"):
         pt.use_packed_attention(pt.backbone_of(sliding))
+
+
+def test_grouped_decode_attention_equals_sdpa_with_repeated_kv():
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, h, n, 8, generator=g, dtype=torch.float64) for h, n in ((6, 1), (2, 9), (2, 9)))
+    mask = torch.rand(3, 1, 1, 9, generator=g) > 0.3
+    mask[:, :, :, 0] = True  # (no fully masked row)
+    module = SimpleNamespace(num_key_value_groups=3, is_causal=True, training=False)
+    expected, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.3)  # repeats K/V 3 times
+    grouped, _ = pt.ppo_attention(module, q, k, v, mask, grouped_decode=True, scaling=0.3)
+    assert grouped.shape == expected.shape == (3, 1, 6, 8)
+    torch.testing.assert_close(grouped, expected, rtol=0, atol=1e-12)
+
+
+def test_flash_attn_is_imported_to_detect_it_and_packing_is_checked_under_autocast(tmp_path, monkeypatch, capsys):
+    (tmp_path / "flash_attn").mkdir()  # installed (find_spec sees it) but built for another torch
+    (tmp_path / "flash_attn/__init__.py").write_text("raise ImportError('undefined symbol: _ZN3c10...')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("PPO_TOKENS_STRICT")
+    pt.flash_attn_varlen.cache_clear()
+    try:
+        assert pt.flash_attn_varlen() is None and "flash-attn is installed but does not import" in capsys.readouterr().out
+        pt.flash_attn_varlen.cache_clear()
+        monkeypatch.setenv("PPO_TOKENS_STRICT", "1")
+        with pytest.raises(RuntimeError, match="PPO_TOKENS_STRICT=1: flash-attn is installed"):
+            pt.flash_attn_varlen()
+    finally:
+        pt.flash_attn_varlen.cache_clear()
+        sys.modules.pop("flash_attn", None)
+    policy = tiny_llama(16, dtype=torch.float32)
+    pt.use_packed_attention(policy.model, bf16=True)  # packed == padded in fp32 and under bf16 autocast
+    attention = pt.ppo_attention  # a packed path that only goes wrong under autocast (as a broken flash-attn would)
+
+    def broken(module, query, *args, packed_layout=None, **kwargs):
+        out, _ = attention(module, query, *args, packed_layout=packed_layout, **kwargs)
+        return (out.flip(1) if packed_layout is not None and torch.is_autocast_enabled("cpu") else out), None
+    monkeypatch.setattr(pt, "ppo_attention", broken)  # (use_ppo_attention registers it)
+    try:
+        pt.use_packed_attention(policy.model, bf16=False)
+        with pytest.raises(SystemExit, match="under --bf16"):
+            pt.use_packed_attention(policy.model, bf16=True)
+    finally:
+        monkeypatch.undo()
+        pt.use_ppo_attention(policy.model)  # the real one registered again, for the other tests
 
 
 def test_token_budget_micro_batches_cover_every_token_once(tokenizer):
