@@ -397,12 +397,12 @@ def fused_head_agrees(model, vocab=None) -> bool:
     Falcon-H1's lm_head_multiplier, ...) needs --full-logits."""
     ids = torch.randint(0, vocab or model.config.vocab_size, (2, 6), device=model.device)
     inputs = (ids, torch.ones_like(ids), positions(torch.ones_like(ids)), ids[:, 3:], torch.ones_like(ids[:, 3:]), 1.0)
-    precision = torch.get_float32_matmul_precision()
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
     try:
-        torch.set_float32_matmul_precision("highest")
         fused, full = (sequence_logprobs(model, *inputs, full_logits=f, vocab=vocab)[0] for f in (False, True))
     finally:
-        torch.set_float32_matmul_precision(precision)
+        torch.backends.cuda.matmul.allow_tf32 = tf32
     return bool(torch.allclose(fused, full, rtol=1e-4, atol=1e-4))
 
 
@@ -1712,7 +1712,7 @@ def setup(cfg: Config, ctx: Dist = Dist()):
         torch.cuda.set_device(device)
         # fp32 matmuls (trainer, fp32 heads, fp32 frozen models) in TF32: fp32 accumulation over 10-bit-mantissa
         # inputs, several times IEEE fp32's speed on tensor cores; --no-tf32 keeps IEEE fp32
-        torch.set_float32_matmul_precision("high" if cfg.tf32 else "highest")
+        torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
     dtype = getattr(torch, cfg.dtype)
     torch.manual_seed(cfg.seed)
     prompt_texts = load_prompts(cfg.prompts) if cfg.prompts else None

@@ -739,27 +739,29 @@ def test_ratio_is_exactly_one_on_the_first_minibatch(tokenizer):
 
 
 def sgd_update(tokenizer, prepare=None, **cfg_overrides):  # one ppo_update with plain SGD (lr 1): the step is the gradient
+    """Returns (stats, the policy's step, the critic's step)."""
     cfg, policy, reference, critic, batch = tiny_setup(tokenizer, **cfg_overrides)
     if prepare is not None:
         prepare(policy, critic)
     orders = [torch.randperm(8, generator=torch.Generator().manual_seed(0)) for _ in range(cfg.ppo_epochs)]
     score(batch, policy, reference, critic, lambda b: torch.arange(8.0), cfg, orders[0])
-    before = [p.detach().clone() for p in policy.parameters()]
+    before = [[p.detach().clone() for p in m.parameters()] for m in (policy, critic)]
     opts = [torch.optim.SGD(m.parameters(), lr=1.0) for m in (policy, critic)]
     stats = pt.ppo_update(policy, critic, *opts, batch, cfg, orders)
-    return stats, [p.detach() - b for p, b in zip(policy.parameters(), before)]
+    return stats, *([p.detach() - b for p, b in zip(m.parameters(), old)] for m, old in zip((policy, critic), before))
 
 
 def test_micro_batch_accumulation_gives_the_minibatch_gradient(tokenizer):
-    _, whole = sgd_update(tokenizer, ppo_epochs=1, minibatches=1)
-    _, micro = sgd_update(tokenizer, ppo_epochs=1, minibatches=1, micro_batch_size=2)
-    for a, b in zip(whole, micro):
+    no_clip = dict(ppo_epochs=1, minibatches=1, max_grad_norm=1e9)  # (a clipped step would hide a uniform scale error)
+    _, whole, whole_critic = sgd_update(tokenizer, **no_clip)
+    _, micro, micro_critic = sgd_update(tokenizer, **no_clip, micro_batch_size=2)
+    for a, b in zip(whole + whole_critic, micro + micro_critic):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
-    assert max(float(a.abs().max()) for a in whole) > 1e-4
+    assert max(float(a.abs().max()) for a in whole) > 1e-4 and max(float(a.abs().max()) for a in whole_critic) > 1e-4
 
 
 def test_gradient_clipping_bounds_each_step(tokenizer):
-    stats, step = sgd_update(tokenizer, ppo_epochs=1, minibatches=1, max_grad_norm=1e-3)
+    stats, step, _ = sgd_update(tokenizer, ppo_epochs=1, minibatches=1, max_grad_norm=1e-3)
     assert stats["grad_norm"] > 1e-3  # clipping was needed ...
     norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(s) for s in step])))
     assert abs(norm - 1e-3) < 1e-6  # ... and the step (lr 1) has exactly the clipped norm
@@ -891,7 +893,7 @@ def check_outputs(output_dir, steps, tokenizer_check=None):
 
 
 TINY = ["--batch-size", "16", "--minibatches", "2", "--micro-batch-size", "4", "--steps", "3", "--eval-size", "40",
-        "--eval-every", "2", "--demo-warmup-max-steps", "0", "--sample-every", "2"]
+        "--eval-every", "2", "--demo-warmup-max-steps", "0", "--sample-every", "2", "--device", "cpu"]  # (bit-exact)
 
 
 def test_demo_entry_point_with_a_reward_model_directory(tmp_path, tokenizer):
@@ -966,7 +968,7 @@ def test_bad_reward_function_output_is_a_clear_error(tmp_path):
 
 def test_demo_learns_a_little_in_a_few_iterations(tmp_path):
     """A shortened default demo (the full one is in the README): after the real warm-up, the reward mean rises."""
-    out = run_script(["--steps", "24", "--eval-every", "12", "--eval-size", "500", "--sample-every", "0",
+    out = run_script(["--steps", "24", "--eval-every", "12", "--eval-size", "500", "--sample-every", "0", "--device", "cpu",
                       "--output-dir", str(tmp_path / "run"), "--demo-cache", str(tmp_path / "cache")], tmp_path, 600)
     records = [r for r in read_metrics(tmp_path / "run") if r["step"] > 0]
     first, last = records[:6], records[-6:]
@@ -1066,7 +1068,8 @@ def write_reward_module(path):
 
 
 LOOP = ["--batch-size", "16", "--minibatches", "2", "--micro-batch-size", "8", "--steps", "4", "--response-length", "6",
-        "--demo-warmup-max-steps", "0", "--sample-every", "0", "--reward", "count_ones:score", "--lr", "3e-3"]
+        "--demo-warmup-max-steps", "0", "--sample-every", "0", "--reward", "count_ones:score", "--lr", "3e-3",
+        "--device", "cpu"]  # the CPU: bit-exact assertions; their CUDA twins add --device cuda
 
 
 def test_staleness_zero_with_the_thread_equals_the_synchronous_loop(tmp_path, monkeypatch):
@@ -1090,7 +1093,7 @@ def test_staleness_zero_with_the_thread_equals_the_synchronous_loop(tmp_path, mo
 
 def test_bench_rollout_runs_and_ends_with_the_ratio_line(tmp_path):  # the entry point; speeds are not asserted
     out = run_script(["--bench-rollout", "--batch-size", "8", "--response-length", "3", "--minibatches", "2",
-                      "--demo-hidden", "32", "--demo-layers", "1"], tmp_path)
+                      "--demo-hidden", "32", "--demo-layers", "1", "--device", "cpu"], tmp_path)
     assert all(row in out for row in ("HF generate", "plain loop", "StaticDecoder", "padded", "packed"))
     assert re.fullmatch(r"sampler vs generate: \d+\.\d\dx", out.strip().splitlines()[-1])
 
@@ -1209,6 +1212,28 @@ def test_a_kill_while_writing_a_checkpoint_leaves_the_previous_one_whole(tmp_pat
     out = run_script(["--resume", str(older)], tmp_path)
     assert "set aside" in out and any(p.name.startswith(".abandoned-step-00000004-") for p in (tmp_path / "run/checkpoints").iterdir())
     assert [os.path.basename(c) for c in pt.checkpoints(tmp_path / "run")] == ["step-00000003", "step-00000004"]
+
+
+def test_sigterm_after_a_save_every_checkpoint_does_not_rewrite_it_and_renames_reach_the_disk(tmp_path, monkeypatch,
+                                                                                              capsys):
+    (tmp_path / "term.py").write_text("import os, signal\ncalls = 0\ndef score(prompts, completions):\n"
+                                      "    global calls\n    calls += 1\n    if calls == 2:\n"
+                                      "        os.kill(os.getpid(), signal.SIGTERM)\n    return [0.0] * len(completions)\n")
+    monkeypatch.chdir(tmp_path)
+    synced = []
+    fsync_directory = pt.fsync_directory
+    monkeypatch.setattr(pt, "fsync_directory", lambda path: (synced.append((path, sorted(os.listdir(path)))),
+                                                             fsync_directory(path)))
+    args = [a if a != "count_ones:score" else "term:score" for a in LOOP]
+    cfg = pt.parse_config([*args, "--save-every", "1", "--output-dir", str(tmp_path / "run")])
+    os.makedirs(cfg.output_dir)
+    history = pt.train(cfg, pt.setup(cfg), cfg.output_dir)
+    out = capsys.readouterr().out
+    assert len(history) == 2 and "stopped by SIGTERM after iteration 2/4" in out
+    assert [l.split("/")[-1] for l in out.splitlines() if l.startswith("checkpoint: ")] == ["step-00000001",
+                                                                                           "step-00000002"]  # once each
+    root = str(tmp_path / "run" / "checkpoints")
+    assert (root, ["step-00000001"]) in synced and (root, ["step-00000001", "step-00000002"]) in synced
 
 
 def test_non_finite_rewards_skip_updates_then_stop_with_the_last_good_checkpoint_intact(tmp_path):
@@ -1355,18 +1380,25 @@ def test_whitening_and_the_first_update_do_not_depend_on_the_world_size(tmp_path
 
 
 def test_torchrun_two_ranks_ddp_and_fsdp2_train_resume_and_stay_identical(tmp_path):
+    from transformers import AutoModelForCausalLM
     write_reward_module(tmp_path)
-    args = [SCRIPT, *LOOP, "--steps", "3", "--micro-batch-size", "4", "--save-every", "2"]
+    args = [SCRIPT, *LOOP, "--steps", "3", "--save-every", "2", "--micro-batch-size", "0", "--micro-batch-tokens", "40",
+            "--gradient-checkpointing"]  # packed micro-batches and checkpointed layers, under DDP and FSDP2 alike
     out = torchrun([*args, "--output-dir", str(tmp_path / "ddp")], tmp_path).stdout
     first, second = digests(out)
-    assert first == second and out.count("it    3/3") == 1  # one rank prints
+    assert first == second and out.count("it    3/3") == 1  # DDP keeps the replicas identical; one rank prints
     assert [r["step"] for r in read_metrics(tmp_path / "ddp")] == [0, 1, 2, 3]
     assert sorted(p.name for p in tmp_path.rglob("metrics.jsonl")) == ["metrics.jsonl"]  # written once, by rank 0
     check_outputs(tmp_path / "ddp", 3)
-    packed = ["--micro-batch-size", "0", "--micro-batch-tokens", "40", "--gradient-checkpointing"]  # FSDP2 too
-    out = torchrun([*args, *packed, "--fsdp", "--output-dir", str(tmp_path / "fsdp")], tmp_path).stdout
-    fsdp = digests(out)
-    assert fsdp[0] == fsdp[1]
+    fsdp = digests(torchrun([*args, "--fsdp", "--output-dir", str(tmp_path / "fsdp")], tmp_path).stdout)
+    # FSDP2 holds one copy of each weight (its digest is of a gather, equal on every rank by construction): its
+    # update must be DDP's, up to the order of the gradient reductions
+    ddp_policy, fsdp_policy = (AutoModelForCausalLM.from_pretrained(tmp_path / d / "policy") for d in ("ddp", "fsdp"))
+    for (name, a), b in zip(ddp_policy.state_dict().items(), fsdp_policy.state_dict().values()):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, msg=name)
+    assert any(not torch.equal(a, b) for a, b in zip(ddp_policy.state_dict().values(),
+                                                     AutoModelForCausalLM.from_pretrained(
+                                                         tmp_path / "ddp/checkpoints/step-00000002/policy").state_dict().values()))
     resumed = torchrun([SCRIPT, "--resume", str(pt.checkpoints(tmp_path / "fsdp")[0])], tmp_path).stdout
     assert "step-00000002 after iteration 2/3" in resumed and digests(resumed) == fsdp  # the same final weights
     (tmp_path / "rank_one_fails.py").write_text("import os\ndef score(prompts, completions):\n"
@@ -1548,14 +1580,18 @@ def test_token_budget_micro_batches_cover_every_token_once(tokenizer):
     assert pt.token_budget_bins([50, 3], 40) == [[0], [1]]  # a row over the budget gets a micro-batch of its own
 
 
-def test_packed_training_matches_padded_training(tokenizer):
-    results = []
+def test_packed_training_matches_padded_training(tokenizer, monkeypatch):
+    results, sizes = [], []
+    pack_sequences = pt.pack_sequences  # count the packed micro-batches and their real tokens
+    monkeypatch.setattr(pt, "pack_sequences", lambda b: (sizes.append(int(b.prompt_mask.sum() + b.response_mask.sum())),
+                                                         pack_sequences(b))[1])
     for packed in (False, True):
-        cfg, policy, reference, critic, batch = tiny_setup(tokenizer, **({"micro_batch_tokens": 40} if packed else {}))
+        cfg, policy, reference, critic, batch = tiny_setup(tokenizer, **({"micro_batch_tokens": 20} if packed else {}))
         if packed:
             pt.use_packed_attention(pt.backbone_of(policy))
             pt.use_packed_attention(critic.backbone)
             pt.use_packed_attention(pt.backbone_of(reference))
+            sizes.clear()  # (the checks' packed batches)
         orders = [torch.randperm(8, generator=torch.Generator().manual_seed(0)) for _ in range(cfg.ppo_epochs)]
         score(batch, policy, reference, critic, lambda b: torch.arange(8.0), cfg, orders[0])
         opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (policy, critic)]
@@ -1563,6 +1599,9 @@ def test_packed_training_matches_padded_training(tokenizer):
         assert stats["first_ratio_max_dev"] == 0.0  # the packed scoring pass and the first epoch agree to the bit
         results.append((batch, stats, [p.detach().clone() for p in policy.parameters()]))
     (a, sa, wa), (b, sb, wb) = results
+    # --micro-batch-tokens 20 is honoured: more micro-batches than minibatches (2 minibatches of 4 rows, ~39 tokens
+    # each, in the reference's, the trainer's and 2 epochs' passes), none over 20 real tokens, every token 4 times
+    assert len(sizes) > 2 * 4 and max(sizes) <= 20 and sum(sizes) == 4 * int(b.prompt_mask.sum() + b.response_mask.sum())
     for name in ("old_logprobs", "values", "advantages"):
         torch.testing.assert_close(getattr(b, name), getattr(a, name), rtol=1e-4, atol=1e-5)
     for k in ("pg_loss", "vf_loss", "entropy"):
@@ -1573,7 +1612,7 @@ def test_packed_training_matches_padded_training(tokenizer):
 
 
 def test_gradient_checkpointing_and_bf16_autocast_keep_the_update(tokenizer):
-    _, plain = sgd_update(tokenizer, ppo_epochs=1, minibatches=1)
+    _, plain, _ = sgd_update(tokenizer, ppo_epochs=1, minibatches=1)
     calls = []
 
     def checkpoint(policy, critic):
@@ -1583,14 +1622,15 @@ def test_gradient_checkpointing_and_bf16_autocast_keep_the_update(tokenizer):
         forward = mlp.forward
         mlp.forward = lambda *a, **k: (calls.append(torch.is_grad_enabled()), forward(*a, **k))[1]
 
-    _, checkpointed = sgd_update(tokenizer, prepare=checkpoint, ppo_epochs=1, minibatches=1)
+    _, checkpointed, _ = sgd_update(tokenizer, prepare=checkpoint, ppo_epochs=1, minibatches=1)
     assert calls == [False, True, True]  # scoring, the training forward, its recomputation in the backward
     for a, b in zip(plain, checkpointed):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
-    stats, bf16 = sgd_update(tokenizer, bf16=True, ppo_epochs=1, minibatches=1)
+    stats, bf16, _ = sgd_update(tokenizer, bf16=True, ppo_epochs=1, minibatches=1)
     assert stats["first_ratio_max_dev"] == 0.0  # scoring and the first epoch run under the same autocast
     flat = lambda steps: torch.cat([s.reshape(-1) for s in steps])
     assert torch.nn.functional.cosine_similarity(flat(bf16), flat(plain), dim=0) > 0.99
+    assert float((flat(bf16) - flat(plain)).abs().max()) > 1e-5  # autocast did run: bf16 rounding moved the step
     for full_logits in (False, True):
         cfg, policy, _, _, batch = tiny_setup(tokenizer, bf16=True, full_logits=full_logits)
         pt.fp32_head(policy)  # what train() does under --bf16
@@ -1600,3 +1640,176 @@ def test_gradient_checkpointing_and_bf16_autocast_keep_the_update(tokenizer):
             mixed = pt.rollout_logprobs(policy, batch, cfg)[0]
         assert logits.dtype == torch.float32 and mixed.dtype == torch.float32  # bf16 body, fp32 head
         assert 0 < float((mixed - exact).detach().abs().max()) < 0.05
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CUDA: the GPU-only paths, run when CUDA exists (skipped otherwise). PPO_TOKENS_STRICT=1 (set above, inherited by
+# every subprocess) makes a fast path that falls back (fast sampler, CUDA graph, compile, flash-attn, fused head) an
+# error, so these cannot pass on the slow path. The bit-exact tests above stay on the CPU; these use tolerances.
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+CUDA_LOOP = [*LOOP, "--device", "cuda", "--steps", "3"]  # (the last --device wins)
+
+
+def cuda_records(output_dir, steps, ratio_tol=1e-3):
+    records = [r for r in read_metrics(output_dir) if r["step"] > 0]
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    for r in records:
+        assert all(math.isfinite(r[k]) for k in ("reward_mean", "kl", "entropy", "pg_loss", "vf_loss", "grad_norm"))
+        assert r["first_ratio_max_dev"] <= ratio_tol and r["weight_sync_ms"] >= 0 and r["behav_prox_max_diff"] < 0.5
+    return records
+
+
+@cuda
+@pytest.mark.parametrize("flags", [[], ["--max-staleness", "1", "--inflight-updates"], ["--compile-sampler"],
+                                   ["--micro-batch-size", "0", "--micro-batch-tokens", "64", "--bf16",
+                                    "--gradient-checkpointing", "--max-staleness", "1"]],
+                         ids=["sync", "staleness1-inflight", "compiled", "packed-bf16-checkpointed"])
+def test_cuda_entry_point_trains(tmp_path, flags):
+    write_reward_module(tmp_path)
+    out = run_script([*CUDA_LOOP, *flags, "--output-dir", str(tmp_path / "run")], tmp_path)
+    assert "on cuda:0" in out  # (and no fast path fell back: under the strict switch that fails the run)
+    cuda_records(tmp_path / "run", 3, ratio_tol=1e-3 if "--bf16" not in flags else 1e-2)
+
+
+@cuda
+def test_cuda_save_every_then_resume_samples_the_same_next_batch(tmp_path):
+    write_reward_module(tmp_path)
+    args = [*CUDA_LOOP, "--steps", "4", "--save-every", "2"]
+    run_script([*args, "--output-dir", str(tmp_path / "full")], tmp_path)
+    full = cuda_records(tmp_path / "full", 4)
+    run_script(["--resume", str(tmp_path / "full/checkpoints/step-00000002"), "--output-dir", str(tmp_path / "full")],
+               tmp_path)
+    resumed = cuda_records(tmp_path / "full", 4)
+    # iteration 3 samples from the checkpoint's weights with its generator states: the same tokens and rewards (later
+    # updates may differ in the last bits: CUDA's backward kernels are not deterministic)
+    assert (resumed[2]["reward_mean"], resumed[2]["response_tokens"]) == (full[2]["reward_mean"], full[2]["response_tokens"])
+    assert abs(resumed[2]["kl"] - full[2]["kl"]) < 1e-5
+
+
+@cuda
+def test_cuda_bench_rollout_runs(tmp_path):
+    out = run_script(["--bench-rollout", "--device", "cuda", "--batch-size", "8", "--response-length", "16",
+                      "--minibatches", "2", "--demo-hidden", "64", "--demo-layers", "2"], tmp_path)
+    assert "weights-read bound" in out and re.fullmatch(r"sampler vs generate: \d+\.\d\dx", out.strip().splitlines()[-1])
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_fast_sampler_replays_a_captured_graph_with_the_plain_loops_tokens(tokenizer, dtype, monkeypatch):
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    policy = pt.cast_parameters(tiny_llama(len(tokenizer), seed=2, dtype=torch.float32).cuda(), dtype)  # GQA: 4 / 2
+    texts = ["1+2=", "37+45=", "9+90=", "5+5=", "123+4=", "0+0="]
+    ids, mask = pt.left_pad(pt.format_prompts(tokenizer, texts, False, 64), tokenizer.pad_token_id, "cuda")
+    decoder = pt.fast_decoder(policy, len(texts), ids.shape[1] + 12)
+    assert isinstance(decoder, pt.StaticDecoder) and decoder.graph is not None and decoder.grouped
+    sample = lambda sampler: pt.generate(sampler, ids, mask, max_new_tokens=10, temperature=0.9,
+                                         stop_ids=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
+                                         generator=torch.Generator("cuda").manual_seed(7))
+    replayed, again = sample(decoder), sample(decoder)
+    graph, decoder.graph = decoder.graph, None
+    eager = sample(decoder)  # the same decoder without its graph: the same kernels, so the same bits
+    decoder.graph = graph
+    for batch in (replayed, again):
+        assert torch.equal(batch.response, eager.response) and torch.equal(batch.behav_logprobs, eager.behav_logprobs)
+    if dtype == torch.float32:  # against the plain DynamicCache loop: other kernels, fp32 rounding (bf16 could
+        plain = sample(policy)  # flip a near-tie token; fast_decoder checked its distributions already)
+        assert torch.equal(replayed.response, plain.response)
+        torch.testing.assert_close(replayed.behav_logprobs, plain.behav_logprobs, rtol=0, atol=1e-4)
+
+
+@cuda
+def test_cuda_weight_sync_each_thread_times_its_own_copies(tokenizer):
+    import copy
+    policy = tiny_llama(len(tokenizer), dtype=torch.float32).cuda()
+    sampler = pt.cast_parameters(copy.deepcopy(policy), torch.bfloat16)
+    sync, stop, stream = pt.WeightSync(policy, sampler), threading.Event(), torch.cuda.Stream()
+
+    def sampler_side():
+        with torch.cuda.stream(stream):
+            for version in range(1, 31):
+                sync.wait_for(version, stop)
+                sync.pull()
+
+    thread = threading.Thread(target=sampler_side)
+    thread.start()
+    for version in range(1, 31):
+        with torch.no_grad():
+            for p in policy.parameters():
+                p.add_(1e-3)
+        sync.publish(version)
+        ms = sync.sync_ms()  # read while the sampler thread copies: its own floats only, never the other's events
+        assert math.isfinite(ms) and ms >= 0
+    thread.join(timeout=60)
+    stream.synchronize()
+    assert sync.sampler_version == 30
+    for p, q in zip(policy.parameters(), sampler.parameters()):
+        assert torch.equal(p.to(torch.bfloat16), q)
+
+
+@cuda
+def test_cuda_set_up_sets_the_device_and_the_matmul_precision(tmp_path):
+    for flags, tf32 in (([], True), (["--no-tf32"], False)):
+        cfg = pt.parse_config([*TINY, "--device", "cuda", *flags, "--output-dir", str(tmp_path / "run")])
+        run = pt.setup(cfg)
+        assert torch.backends.cuda.matmul.allow_tf32 is tf32 and run.policy.device == torch.device("cuda:0")
+        assert torch.cuda.current_device() == 0
+    if torch.cuda.device_count() > 1:  # --device cuda:1 in one process: Triton, streams, graphs on device 1
+        out = run_script([*TINY, "--device", "cuda:1", "--output-dir", str(tmp_path / "one")], tmp_path)
+        assert "on cuda:1" in out
+
+
+@cuda
+@pytest.mark.parametrize("fsdp", [False, True])
+def test_cuda_torchrun_nccl(tmp_path, fsdp):
+    write_reward_module(tmp_path)
+    for nproc in (1, 2) if torch.cuda.device_count() > 1 else (1,):
+        out = torchrun([SCRIPT, *CUDA_LOOP, "--micro-batch-size", "4", *(["--fsdp"] if fsdp else []),
+                        "--output-dir", str(tmp_path / f"run{nproc}")], tmp_path, nproc=nproc).stdout
+        assert len(set(digests(out))) == 1
+        cuda_records(tmp_path / f"run{nproc}", 3)
+
+
+@cuda
+def test_cuda_triton_kernels_at_full_scale_against_float64(monkeypatch):
+    """16k tokens x a 152k vocabulary in bf16 (Qwen's): 2.5e9 logits, so the rows past 14,122 sit beyond int32
+    offsets. The forward and the backward against the float64 torch path chunk by chunk; then the fused lm_head path
+    (fp32, IEEE matmuls: its chunks' logits then carry no rounding of their own) at the same scale."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    N, V, T = 16384, 152064, 0.9
+    assert N * V > 2**31
+    rel = lambda a, b: float((a.double() - b).norm() / b.norm())  # (most of the 152k gradients are ~1e-6)
+    g = torch.Generator("cuda").manual_seed(0)
+    logits = (torch.randn(N, V, device="cuda", generator=g) * 3).to(torch.bfloat16).requires_grad_()
+    tokens = torch.randint(0, V, (N,), device="cuda", generator=g)
+    mask = torch.rand(N, device="cuda", generator=g) > 0.1
+    upstream = [torch.randn(N, device="cuda", generator=g) for _ in range(2)]
+    logp, ent = kernels.token_logprobs(logits, tokens, T, mask=mask, backend="triton")
+    (grad,) = torch.autograd.grad((logp * upstream[0] + ent * upstream[1]).sum(), logits)
+    for start in range(0, N, 1024):
+        rows = slice(start, start + 1024)
+        x = logits[rows].detach().double().requires_grad_()
+        want = kernels.token_logprobs(x, tokens[rows], T, mask=mask[rows], backend="torch")
+        (want_grad,) = torch.autograd.grad((want[0] * upstream[0][rows] + want[1] * upstream[1][rows]).sum(), x)
+        close(logp[rows], want[0], rtol=2e-5, atol=2e-5, what=f"logp rows {start}+")
+        close(ent[rows], want[1], rtol=2e-5, atol=2e-5, what=f"entropy rows {start}+")
+        close(grad[rows], want_grad, rtol=1e-2, atol=1e-4, what=f"d logits rows {start}+")  # stored in bf16
+        assert rel(grad[rows], want_grad) < 1e-2, start
+    del logits, grad, x, want_grad
+    H = 896
+    hidden = (torch.randn(N, H, device="cuda", generator=g) / 4).requires_grad_()
+    weight = (torch.randn(V, H, device="cuda", generator=g) / 4).requires_grad_()
+    logp, ent = kernels.linear_token_logprobs(hidden, weight, tokens, T, mask=mask)
+    d_hidden, d_weight = torch.autograd.grad((logp * upstream[0] + ent * upstream[1]).sum(), (hidden, weight))
+    w64, want_d_weight = weight.detach().double(), torch.zeros(V, H, dtype=torch.float64, device="cuda")
+    for start in range(0, N, 1024):
+        rows = slice(start, start + 1024)
+        h = hidden[rows].detach().double().requires_grad_()
+        w = w64.clone().requires_grad_()
+        want = kernels.token_logprobs(h @ w.T, tokens[rows], T, mask=mask[rows], backend="torch")
+        want_h, want_w = torch.autograd.grad((want[0] * upstream[0][rows] + want[1] * upstream[1][rows]).sum(), (h, w))
+        want_d_weight += want_w
+        close(logp[rows], want[0], rtol=1e-4, atol=1e-4, what=f"linear logp rows {start}+")
+        close(ent[rows], want[1], rtol=1e-4, atol=1e-4, what=f"linear entropy rows {start}+")
+        assert rel(d_hidden[rows], want_h) < 1e-4, start
+    assert rel(d_weight, want_d_weight) < 1e-4
