@@ -1337,7 +1337,7 @@ class WeightSync:
     """Trainer -> sampler weights through packed buffers: publish() casts the trainer's flat fp32 weights into a staging
     buffer (one copy, trainer's stream; sharded/FSDP2: each shard all-gathered into its slice, never a full fp32
     copy), pull() copies staging into the sampler's flat weights (one copy, sampler's stream) at its safe points.
-    CUDA events order the copies so neither thread waits on the other's device work; the lock covers enqueueing only.
+    CUDA events order the copies on the two streams; the lock covers one copy (~1 ms), never a decode or an update.
     Staging lets the trainer keep updating while the sampler still generates with the previous version."""
 
     def __init__(self, policy, sampler, sharded=False):
@@ -1353,6 +1353,7 @@ class WeightSync:
     @torch.no_grad()
     def _copy(self, name: str, dst, src, after: str):  # dst <- src on the current stream, once `after` is done
         # (src None: gather the trainer's sharded parameters into dst)
+        t0 = time.perf_counter()
         if self.cuda:
             if name not in self.events:
                 self.events[name] = tuple(torch.cuda.Event(enable_timing=True) for _ in range(2))
@@ -1365,33 +1366,23 @@ class WeightSync:
         else:
             for p, view in zip(self.policy.parameters(), dst.split([p.numel() for p in self.policy.parameters()])):
                 view.copy_(getattr(p, "full_tensor", lambda: p)().reshape(-1))
-        if self.cuda:
+        if self.cuda:  # this thread waits for its own copy (~1 ms) and times it: no other thread records its events
             end.record()
-
-    def _time(self, name: str, t0: float):  # the thread that made copy `name` waits for it and records its duration
-        if self.cuda:  # (device time; each thread reads only its own events, which no other thread re-records)
-            self.events[name][1].synchronize()  # a ~1 ms copy
-            self.seconds[name] = self.events[name][0].elapsed_time(self.events[name][1]) / 1e3
-        else:
-            self.seconds[name] = time.perf_counter() - t0
+            end.synchronize()
+        self.seconds[name] = start.elapsed_time(end) / 1e3 if self.cuda else time.perf_counter() - t0
 
     def publish(self, version: int):  # trainer thread, after the optimizer steps of an update
         with self.lock:
-            t0 = time.perf_counter()
             self._copy("publish", self.staging, self.trainer_flat, after="pull")  # the sampler is done reading staging
             self.version = version
             self.lock.notify_all()
-        self._time("publish", t0)
 
     def pull(self) -> int:  # sampler thread, between batches (or decode steps): take the newest version
         with self.lock:
-            if self.version == self.sampler_version:
-                return self.sampler_version
-            t0 = time.perf_counter()
-            self._copy("pull", self.sampler_flat, self.staging, after="publish")
-            self.sampler_version = self.version
-        self._time("pull", t0)
-        return self.sampler_version
+            if self.version != self.sampler_version:
+                self._copy("pull", self.sampler_flat, self.staging, after="publish")
+                self.sampler_version = self.version
+            return self.sampler_version
 
     def sync_ms(self) -> float:  # the last publish's + the last pull's copy time (device time on CUDA)
         return 1e3 * sum(self.seconds.values())
