@@ -397,13 +397,19 @@ def fused_head_agrees(model, vocab=None) -> bool:
     Falcon-H1's lm_head_multiplier, ...) needs --full-logits."""
     ids = torch.randint(0, vocab or model.config.vocab_size, (2, 6), device=model.device)
     inputs = (ids, torch.ones_like(ids), positions(torch.ones_like(ids)), ids[:, 3:], torch.ones_like(ids[:, 3:]), 1.0)
+    with ieee_fp32():
+        fused, full = (sequence_logprobs(model, *inputs, full_logits=f, vocab=vocab)[0] for f in (False, True))
+    return bool(torch.allclose(fused, full, rtol=1e-4, atol=1e-4))
+
+
+@contextlib.contextmanager
+def ieee_fp32():  # start-up checks compare two paths in IEEE float32: TF32 would round each path its own way
     tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
     try:
-        fused, full = (sequence_logprobs(model, *inputs, full_logits=f, vocab=vocab)[0] for f in (False, True))
+        yield
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
-    return bool(torch.allclose(fused, full, rtol=1e-4, atol=1e-4))
 
 
 class Actor(nn.Module):
@@ -499,7 +505,7 @@ def use_packed_attention(backbone, bf16=False):
     input_ids, attention_mask, position_ids = full_sequence(check)
     for mixed in (False, True) if bf16 else (False,):
         try:
-            with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=mixed):
+            with torch.no_grad(), ieee_fp32(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=mixed):
                 padded = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                   use_cache=False).last_hidden_state[attention_mask.bool()].float()
                 *inputs, layout = pack_sequences(check)
@@ -772,12 +778,14 @@ class StaticDecoder(PlainDecoder):
         self.column = torch.zeros(1, dtype=torch.long, device=device)  # the cache column the next token goes to
         self.graph, self.prefill, self.decode = None, model, model  # fast_decoder may swap in compiled model calls
         self.grouped = {"grouped_decode": True} if use_ppo_attention(model) else {}  # GQA without repeating K/V
-        self.start(self.token.expand(-1, 2), torch.ones_like(self.token).expand(-1, 2))  # allocates the cache
+        self.warm_up()  # allocates the cache (transformers does it lazily)
+
+    def warm_up(self):  # a 2-token prompt: a compiled prefill would specialise (and recompile) on length 1
+        return self.start(self.token.repeat(1, 2), torch.ones_like(self.token).repeat(1, 2))  # (contiguous, as
+        # every prompt: an expanded view would fail a compiled prefill's stride guards)
 
     def capture(self):  # CUDA: record one decode step as a graph, after a warm-up on a side stream (as required)
-        # a 2-token prompt (a compiled prefill specialises on length 1), then the 3 steps below: 5 columns, which
-        # fast_decoder makes every cache hold
-        self.start(self.token.expand(-1, 2), torch.ones_like(self.token).expand(-1, 2))
+        self.warm_up()  # 2 columns, then the 3 steps below: 5, which fast_decoder makes every cache hold
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # the outer context: a failed capture still gives the stream back
@@ -1834,7 +1842,8 @@ def train(cfg: Config, run, output_dir: str, threaded=None, ctx: Dist = Dist()):
         checkpoint_layers(model)
     if cfg.bf16:
         fp32_head(policy)
-    actor, critic = wrap_for_training(Actor(policy, cfg.temperature, cfg.full_logits), cfg), wrap_for_training(run.critic, cfg)
+    actor = wrap_for_training(Actor(policy, cfg.temperature, cfg.full_logits, run.vocab), cfg)
+    critic = wrap_for_training(run.critic, cfg)
     policy_opt, critic_opt, schedules = make_optimizers(cfg, actor, critic)
     # the same prompt order on every rank, each taking its slice; sampling differs per rank (a seed offset)
     rank_rows = slice(ctx.rank * cfg.batch_size // ctx.world, (ctx.rank + 1) * cfg.batch_size // ctx.world)

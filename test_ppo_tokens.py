@@ -916,7 +916,7 @@ def test_model_directory_prompts_file_and_reward_function(tmp_path, tokenizer):
     import copy
     tok = copy.deepcopy(tokenizer)
     tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}={% endif %}"
-    model = tiny_llama(len(tok), dtype=torch.float32)
+    model = tiny_llama(len(tok) + 8, dtype=torch.float32)  # spare embedding rows, as many real vocabularies have
     model.save_pretrained(tmp_path / "policy_in")
     tok.save_pretrained(tmp_path / "policy_in")
     with open(tmp_path / "prompts.jsonl", "w") as f:
@@ -933,6 +933,8 @@ def test_model_directory_prompts_file_and_reward_function(tmp_path, tokenizer):
     records = check_outputs(tmp_path / "run", 3)
     assert "eval_accuracy" not in records[-1]
     assert all(r["response_tokens"] <= 16 * 5 for r in records)
+    # the trainer scores the distribution the sampler drew from (ids of the tokenizer only, not the spare rows)
+    assert all(r["behav_prox_max_diff"] < 1e-5 for r in records)
 
 
 def test_a_tokenizer_without_pad_and_a_reward_model_of_the_same_vocabulary(tmp_path, tokenizer):
@@ -1465,6 +1467,8 @@ def test_fast_sampler_gives_the_plain_loops_tokens_and_logprobs(tokenizer, famil
         thread.start()
         thread.join()
         assert counters["stats"]["unique_graphs"] == graphs
+        decoder.warm_up()  # capture()'s prompt on CUDA: 2 tokens, not a length-1 prefill the compile specialises on
+        assert counters["stats"]["unique_graphs"] == graphs
     else:
         batches += [sample(decoder), sample(decoder)]  # the decoder twice: its cache is reused between batches
     assert not batches[0].response_mask.all()  # some rows ended early: pads after EOS
@@ -1656,7 +1660,9 @@ def cuda_records(output_dir, steps, ratio_tol=1e-3):
     assert [r["step"] for r in records] == list(range(1, steps + 1))
     for r in records:
         assert all(math.isfinite(r[k]) for k in ("reward_mean", "kl", "entropy", "pg_loss", "vf_loss", "grad_norm"))
-        assert r["first_ratio_max_dev"] <= ratio_tol and r["weight_sync_ms"] >= 0 and r["behav_prox_max_diff"] < 0.5
+        assert r["first_ratio_max_dev"] <= ratio_tol and r["weight_sync_ms"] >= 0
+        # the bf16 sampler against the fp32 trainer, on the same weights (a stale token differs by the update too)
+        assert r["behav_prox_max_diff"] < 0.5 or r["staleness_max"] > 0
     return records
 
 
@@ -1731,16 +1737,19 @@ def test_cuda_weight_sync_each_thread_times_its_own_copies(tokenizer):
                 sync.wait_for(version, stop)
                 sync.pull()
 
-    thread = threading.Thread(target=sampler_side)
+    thread = threading.Thread(target=sampler_side, daemon=True)
     thread.start()
-    for version in range(1, 31):
-        with torch.no_grad():
-            for p in policy.parameters():
-                p.add_(1e-3)
-        sync.publish(version)
-        ms = sync.sync_ms()  # read while the sampler thread copies: its own floats only, never the other's events
-        assert math.isfinite(ms) and ms >= 0
-    thread.join(timeout=60)
+    try:
+        for version in range(1, 31):
+            with torch.no_grad():
+                for p in policy.parameters():
+                    p.add_(1e-3)
+            sync.publish(version)
+            ms = sync.sync_ms()  # read while the sampler thread copies: floats, never the other thread's events
+            assert math.isfinite(ms) and ms >= 0
+    finally:
+        thread.join(timeout=60)
+        stop.set()
     stream.synchronize()
     assert sync.sampler_version == 30
     for p, q in zip(policy.parameters(), sampler.parameters()):
