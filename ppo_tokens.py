@@ -495,15 +495,17 @@ def use_ppo_attention(model) -> bool:  # model (or a backbone) attends through p
 
 def use_packed_attention(backbone, bf16=False):
     """Let a transformers backbone run packed forwards (ppo_attention), and check on a ragged batch that packed
-    hidden states equal padded ones, also under --bf16's autocast (flash-attn's path); refuse with a message otherwise."""
+    hidden states equal padded ones, also under --bf16's autocast (flash-attn's path); else refuse with a message."""
     if not use_ppo_attention(backbone):
         raise SystemExit(f"--micro-batch-tokens packs sequences through SDPA; {type(backbone).__name__} uses "
                          f"{backbone.config._attn_implementation!r} attention. Leave --micro-batch-tokens at 0")
-    ids, device = torch.randint(1, backbone.config.vocab_size, (2, 5), device=backbone.device), backbone.device
+    device = backbone.device
+    ids = torch.randint(1, backbone.config.vocab_size, (2, 5), device=device)
     check = Rollout(ids[:, :3], torch.tensor([[0, 1, 1], [1, 1, 1]], device=device), ids[:, 3:],
                     torch.tensor([[1, 1], [1, 0]], device=device), None, None, None)
     input_ids, attention_mask, position_ids = full_sequence(check)
     for mixed in (False, True) if bf16 else (False,):
+        where = f"{type(backbone).__name__}{' under --bf16' if mixed else ''}"
         try:
             with torch.no_grad(), ieee_fp32(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=mixed):
                 padded = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -512,14 +514,13 @@ def use_packed_attention(backbone, bf16=False):
                 packed = backbone(*inputs[:1], attention_mask=inputs[1], position_ids=inputs[2], use_cache=False,
                                   packed_layout=layout).last_hidden_state[0].float()
         except (ValueError, RuntimeError) as e:
-            raise SystemExit(f"--micro-batch-tokens: {type(backbone).__name__} cannot run packed"
-                             f"{' under --bf16' if mixed else ''} ({str(e).splitlines()[0][:200]}); leave it at 0")
+            raise SystemExit(f"--micro-batch-tokens: {where} cannot run packed ({str(e).splitlines()[0][:200]}); "
+                             "leave it at 0")
         # fp32: the same sums in another order; bf16 autocast: each path rounds to bf16 in other places
         error = (packed - padded).abs().max() if not mixed else (packed - padded).norm() / padded.norm()
         if error > (1e-3 if not mixed else 0.02):
             raise SystemExit(f"--micro-batch-tokens: packed sequences give other hidden states than padded ones in "
-                             f"{type(backbone).__name__}{' under --bf16' if mixed else ''} ({float(error):.2g}); "
-                             "leave it at 0")
+                             f"{where} ({float(error):.2g}); leave it at 0")
 
 
 def decoder_layers(model):  # the transformer blocks: the longest ModuleList
@@ -646,10 +647,12 @@ def reward_model_scores(reward_model, rm_tokenizer, policy_tokenizer, batch, use
     if same_vocabulary(rm_tokenizer, policy_tokenizer):
         ids, mask, _ = full_sequence(batch)
     else:
-        if use_chat_template and getattr(rm_tokenizer, "chat_template", None):  # a truncated completion stays an open
-            texts = [rm_tokenizer.apply_chat_template([{"role": "user", "content": p}, {"role": "assistant", "content": c}],
-                                                      tokenize=False, continue_final_message=not e)  # turn: no end-of-turn
-                     for p, c, e in zip(batch.prompts, batch.completions, batch.ended.tolist())]
+        if use_chat_template and getattr(rm_tokenizer, "chat_template", None):
+            # a completion cut at --response-length stays an open assistant turn: no end-of-turn after it
+            chats = [[{"role": "user", "content": p}, {"role": "assistant", "content": c}]
+                     for p, c in zip(batch.prompts, batch.completions)]
+            texts = [rm_tokenizer.apply_chat_template(chat, tokenize=False, continue_final_message=not ended)
+                     for chat, ended in zip(chats, batch.ended.tolist())]
             seqs = rm_tokenizer(texts, add_special_tokens=False)["input_ids"]
         else:
             eos = [(rm_tokenizer.eos_token or "") if e else "" for e in batch.ended.tolist()]  # scored at the EOS, as above
@@ -755,7 +758,8 @@ class PlainDecoder:
         return self._forward(token[:, None], self.position)
 
     def _forward(self, input_ids, position_ids):
-        out = self.model(input_ids=input_ids, attention_mask=self.mask, position_ids=position_ids, **self.cache, **self.keep)
+        out = self.model(input_ids=input_ids, attention_mask=self.mask, position_ids=position_ids, **self.cache,
+                         **self.keep)
         self.cache[self.cache_kwarg] = out.cache if self.cache_kwarg == "cache" else out.past_key_values
         return out.logits[:, -1]
 
@@ -862,7 +866,8 @@ def fast_decoder(model, batch_size: int, max_len: int, compiled=False, threads=0
             print(f"compiled in {time.perf_counter() - t0:.0f} s")
         except Exception as e:  # e.g. no C++ compiler on a CPU machine, or an op inductor does not support
             decoder.prefill = decoder.decode = model
-            fall_back(f"torch.compile off for the sampler ({str(e).splitlines()[0][:200]}); the static cache decodes eagerly")
+            fall_back(f"torch.compile off for the sampler ({str(e).splitlines()[0][:200]}); the static cache decodes "
+                      "eagerly")
         finally:
             torch.set_num_threads(now)
     if model.device.type == "cuda":
@@ -1709,9 +1714,7 @@ def setup(cfg: Config, ctx: Dist = Dist()):
     device = torch.device(f"cuda:{ctx.local_rank}" if name == "cuda" else name)  # one GPU per local rank
     if device.type == "cuda":  # the current device: Triton launches, streams, events and graphs use it
         torch.cuda.set_device(device)
-        # fp32 matmuls (trainer, fp32 heads, fp32 frozen models) in TF32: fp32 accumulation over 10-bit-mantissa
-        # inputs, several times IEEE fp32's speed on tensor cores; --no-tf32 keeps IEEE fp32
-        torch.backends.cuda.matmul.allow_tf32 = cfg.tf32
+        torch.backends.cuda.matmul.allow_tf32 = cfg.tf32  # fp32 matmuls (trainer, fp32 heads) in TF32: README
     dtype = getattr(torch, cfg.dtype)
     torch.manual_seed(cfg.seed)
     prompt_texts = load_prompts(cfg.prompts) if cfg.prompts else None
@@ -1727,8 +1730,8 @@ def setup(cfg: Config, ctx: Dist = Dist()):
         tokenizer = build_demo_tokenizer()
         policy = build_demo_policy(tokenizer, cfg.seed, cfg.demo_hidden, cfg.demo_layers)
     if policy.config.model_type in ("rwkv", "xlstm", "recurrent_gemma", "mamba", "falcon_mamba"):
-        raise SystemExit(f"--model {cfg.model}: {policy.config.model_type} is not supported: its recurrent state ignores "
-                         "left padding or its 1-token decode steps (the sampler batches left-padded prompts)")
+        raise SystemExit(f"--model {cfg.model}: {policy.config.model_type} is not supported: its recurrent state "
+                         "ignores left padding or its 1-token decode steps (the sampler batches left-padded prompts)")
     if tokenizer.eos_token_id is None:
         raise SystemExit(f"the tokenizer of {cfg.model or 'the demo'} has no EOS token; set eos_token in its config")
     stop_ids = stop_token_ids(tokenizer, policy)
