@@ -394,7 +394,12 @@ def sequence_logprobs(model, input_ids, attention_mask, position_ids, response, 
 def fused_head_agrees(model, vocab=None) -> bool:
     """Whether the fused path's log-probs equal those of the model's own logits on a tiny batch (IEEE fp32 matmuls):
     a model that post-processes its logits (Gemma 2's softcapping, Cohere's logit_scale, Granite's logits_scaling,
-    Falcon-H1's lm_head_multiplier, ...) needs --full-logits."""
+    Falcon-H1's lm_head_multiplier, ...) needs --full-logits. The known config keys first: small logits (a freshly
+    initialised model) can hide a softcap."""
+    config = getattr(model, "config", None)
+    scales = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+    if any(getattr(config, k, None) not in (None, 1.0) for k in scales):
+        return False
     ids = torch.randint(0, vocab or model.config.vocab_size, (2, 6), device=model.device)
     inputs = (ids, torch.ones_like(ids), positions(torch.ones_like(ids)), ids[:, 3:], torch.ones_like(ids[:, 3:]), 1.0)
     with ieee_fp32():
@@ -1686,7 +1691,9 @@ def restore_metrics(output_dir: str, step: int):
 
 
 def nonfinite(batch: Rollout):  # what in a scored batch is NaN or inf, and in which rows; None when all is finite
-    names, B = ("scores", "ref_logprobs", "old_logprobs", "values", "advantages"), batch.response.shape[0]
+    # (behav_logprobs: a sampler whose logits went NaN still draws tokens, which sample_tokens does not check)
+    names = ("behav_logprobs", "scores", "ref_logprobs", "old_logprobs", "values", "advantages")
+    B = batch.response.shape[0]
     bad = torch.stack([~torch.isfinite(getattr(batch, n).reshape(B, -1)).all(-1) for n in names]).tolist()  # one sync
     for name, flags in zip(names, bad):
         rows = [r for r, flag in enumerate(flags) if flag]

@@ -659,6 +659,8 @@ def test_fused_head_is_checked_against_the_models_own_logits(tokenizer):
                                            num_attention_heads=2, num_key_value_heads=1, head_dim=16,
                                            intermediate_size=64, final_logit_softcapping=0.5)).eval()
     assert not pt.fused_head_agrees(gemma)  # softcapping
+    gemma.config.final_logit_softcapping = 30.0  # a real model's cap: the random model's logits never reach it
+    assert not pt.fused_head_agrees(gemma)
 
 
 def test_hybrid_models_sample_with_their_own_cache_and_scoring_agrees(tokenizer):
@@ -1264,6 +1266,8 @@ def test_non_finite_loss_skips_the_update_and_leaves_the_weights_alone(tokenizer
     assert stats["nonfinite"].startswith("policy loss") and "epoch 1 minibatch 1 (after 0 finite steps)" in stats["nonfinite"]
     assert all(torch.equal(p, b) for p, b in zip(policy.parameters(), before)) and all(p.grad is None for p in policy.parameters())
     assert pt.nonfinite(batch) == "advantages in rows [0, 1, 2, 3, 4, 5, 6, 7] of 8"
+    batch.behav_logprobs[3, 1] = float("nan")  # a sampler whose logits went NaN (its draws are not checked)
+    assert pt.nonfinite(batch) == "behav_logprobs in rows [3] of 8"
 
 
 def exit_of(argv, capsys):  # (exit status, message) of the real entry point, in-process
