@@ -656,8 +656,7 @@ def reward_model_scores(reward_model, rm_tokenizer, policy_tokenizer, batch, use
             # a completion cut at --response-length stays an open assistant turn: no end-of-turn after it
             chats = [[{"role": "user", "content": p}, {"role": "assistant", "content": c}]
                      for p, c in zip(batch.prompts, batch.completions)]
-            texts = [rm_tokenizer.apply_chat_template(chat, tokenize=False, continue_final_message=not ended)
-                     for chat, ended in zip(chats, batch.ended.tolist())]
+            texts = [chat_text(rm_tokenizer, chat, ended) for chat, ended in zip(chats, batch.ended.tolist())]
             seqs = rm_tokenizer(texts, add_special_tokens=False)["input_ids"]
         else:
             eos = [(rm_tokenizer.eos_token or "") if e else "" for e in batch.ended.tolist()]  # scored at the EOS, as above
@@ -669,6 +668,13 @@ def reward_model_scores(reward_model, rm_tokenizer, policy_tokenizer, batch, use
         out = reward_model(ids[rows], mask[rows], positions(mask[rows]))  # (b, L)
         scores.append(out.gather(1, last[rows, None]).squeeze(1))
     return torch.cat(scores)
+
+
+def chat_text(tokenizer, chat, ended: bool) -> str:  # a finished assistant turn, or an open one (no end-of-turn)
+    try:
+        return tokenizer.apply_chat_template(chat, tokenize=False, continue_final_message=not ended)
+    except ValueError:  # a template that rewrites the assistant text (drops a <think> part): it cannot stay open
+        return tokenizer.apply_chat_template(chat, tokenize=False)
 
 
 def call_reward_function(fn, prompts, completions, device):
@@ -1844,7 +1850,7 @@ def train(cfg: Config, run, output_dir: str, threaded=None, ctx: Dist = Dist()):
     sampler = cast_parameters(copy.deepcopy(policy), sampler_dtype).requires_grad_(False)
     sharded = cfg.fsdp and torch.distributed.is_initialized()
     # FSDP2: the demo evaluates a full copy of its own, not the sampler, which its thread uses and updates
-    evaluator = copy.deepcopy(sampler) if sharded and run.eval_ids is not None else None
+    evaluator = copy.deepcopy(sampler) if sharded and run.eval_ids is not None and ctx.rank == 0 else None
     sync = WeightSync(policy, sampler, sharded)  # packs the weights
     if evaluator is not None:  # its parameters become views of the published weights, which only this thread writes
         torch.nn.utils.vector_to_parameters(sync.staging, evaluator.parameters())
@@ -2086,7 +2092,8 @@ def bench_rollout(cfg: Config):
     weights-read bound (parameter bytes / measured copy bandwidth); with --compile-sampler the eager static decoder
     too. (2) One PPO update on a batch whose sequence lengths spread 4:1, padded (--micro-batch-size rows) vs packed
     (same token capacity, or --micro-batch-tokens)."""
-    run = setup(dataclasses.replace(cfg, demo_warmup_max_steps=0))  # speed does not depend on the weights
+    cfg = dataclasses.replace(cfg, demo_warmup_max_steps=0)  # speed does not depend on the weights
+    run = setup(cfg)  # (which may turn --full-logits on)
     policy, tokenizer, device, B, T = run.policy, run.tokenizer, run.policy.device, cfg.batch_size, cfg.response_length
     sampler = cast_parameters(copy.deepcopy(policy), torch.bfloat16 if device.type == "cuda" else policy.dtype).requires_grad_(False)
     ids, mask = left_pad([run.prompt_ids[i % len(run.prompt_ids)] for i in range(B)], tokenizer.pad_token_id, device)
@@ -2139,6 +2146,7 @@ def bench_rollout(cfg: Config):
         critic = build_critic(actor)
         for model in (actor, critic) if cfg.gradient_checkpointing else ():
             checkpoint_layers(model)
+        actor = Actor(actor, c.temperature, c.full_logits, run.vocab)  # as train() scores
         batch = Rollout(ids, mask, response, response_mask, torch.zeros(B, Tmax, device=device), torch.zeros_like(response),
                         torch.ones(B, dtype=torch.bool, device=device))
         score_frozen(batch, reference, lambda b: torch.ones(B, device=device), c)

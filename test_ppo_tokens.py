@@ -836,6 +836,10 @@ def test_reward_model_scores_at_last_token_with_same_or_different_tokenizer(toke
     batch.ended = torch.tensor([True, False, True])
     pt.reward_model_scores(rm, other, tokenizer, batch, True, 2)
     assert texts == ["u:1+2=a:3<eos>", "u:37+45=a:82", "u:9+90=a:<eos>"]
+    other.chat_template = other.chat_template.replace("m['content']", "m['content'][1:]")  # rewrites the turn (as
+    texts.clear()  # templates that drop a <think> part): it cannot stay open, so it is closed, not a crash
+    pt.reward_model_scores(rm, other, tokenizer, batch, True, 2)
+    assert texts[-2:] == ["u:7+45=a:2<eos>", "u:+90=a:<eos>"]
 
 
 def test_config_errors_name_the_flags(capsys):
@@ -1467,11 +1471,11 @@ def test_fast_sampler_gives_the_plain_loops_tokens_and_logprobs(tokenizer, famil
     if compiled:  # in a thread with one intra-op thread, like the Producer's: the compiled code runs, not a recompile
         from torch._dynamo.utils import counters
         graphs = counters["stats"]["unique_graphs"]
-        thread = threading.Thread(target=lambda: (torch.set_num_threads(1), batches.extend(sample(decoder) for _ in range(2))))
+        # then capture()'s warm-up prompt (on CUDA): 2 tokens, not a length-1 prefill the compile specialises on
+        thread = threading.Thread(target=lambda: (torch.set_num_threads(1), batches.extend(sample(decoder) for _ in range(2)),
+                                                  torch.no_grad()(decoder.warm_up)()))  # (as fast_decoder calls it)
         thread.start()
         thread.join()
-        assert counters["stats"]["unique_graphs"] == graphs
-        decoder.warm_up()  # capture()'s prompt on CUDA: 2 tokens, not a length-1 prefill the compile specialises on
         assert counters["stats"]["unique_graphs"] == graphs
     else:
         batches += [sample(decoder), sample(decoder)]  # the decoder twice: its cache is reused between batches
