@@ -784,6 +784,12 @@ class StaticDecoder(PlainDecoder):
 
     def __init__(self, model, batch_size: int, max_len: int):
         from transformers import StaticCache
+        config = model.config
+        window = getattr(config, "sliding_window", None)
+        layer_types = getattr(config, "layer_types", None) or ()
+        sliding = "sliding_attention" in layer_types or getattr(config, "use_sliding_window", True)
+        if window and sliding and window < max_len:  # its mask below would let those layers see past their window
+            raise ValueError(f"sliding-window layers (window {window} < {max_len} cache columns)")
         super().__init__(model)
         device, self.max_len = model.device, max_len
         self.cache = {self.cache_kwarg: StaticCache(config=model.config, max_cache_len=max_len), "use_cache": True}
