@@ -37,8 +37,15 @@ max and the entropy kept per row, log p recomputed in the backward. The torch pa
 reference the tests compare against.
 
     python kernels.py --bench [--tokens N] [--vocab V] [--dtype bf16|fp16|fp32]
+
+The second half holds ppo_tokens.py's other fast paths (see "fast paths" below): the sampler's static KV cache and
+CUDA graph, packed (padding-free) attention and sequence packing, the fallback switch and the benchmark timing. It
+depends on torch, triton and transformers only, never on ppo_tokens.py.
 """
 import argparse
+import functools
+import importlib.util
+import inspect
 import json
 import os
 import statistics
@@ -610,6 +617,230 @@ def linear_token_logprobs(hidden, weight, tokens, temperature=1.0, *, mask=None,
     if rows is not None:  # scatter the real rows back; masked rows are exactly 0
         outs = [None if o is None else o.new_zeros(mask.shape[0]).index_copy(0, rows, o) for o in outs]
     return tuple(o.view(shape) for o in outs if o is not None)
+
+
+# ------------------------------------------------------------------------------------------------------ fast paths
+# The same results as ppo_tokens.py's plain paths, faster; ppo_tokens.py checks each against its plain path before
+# using it (fast_decoder, use_packed_attention) and calls it through one small function.
+# - StaticDecoder: the sampler's model calls with a preallocated KV cache and a CUDA graph per decode step (the plain
+#   path: ppo_tokens.PlainDecoder).
+# - Packed (padding-free) forwards: the real tokens of a micro-batch as one row (pack_sequences), and an attention for
+#   transformers that keeps the sequences apart: flash-attn's varlen kernel when it imports (CUDA, bf16/fp16),
+#   otherwise SDPA on a right-padded view of the packed sequences: every linear layer, norm and the lm_head run on the
+#   real tokens only, and the attention of a micro-batch of similar lengths (token_budget_bins) pads little.
+#   transformers' own packed path for SDPA builds an (N, N) block-diagonal mask and computes every block of it.
+#   (The plain path: padded rows, ppo_tokens.full_sequence.)
+
+
+def fall_back(message: str):
+    """A fast path is off (fast sampler, CUDA graph, compile, flash-attn, the fused head): say why in one line. With
+    PPO_TOKENS_STRICT=1 (the tests set it) it is an error instead, so nothing passes on a slow path by accident."""
+    if os.environ.get("PPO_TOKENS_STRICT") == "1":
+        raise RuntimeError(f"PPO_TOKENS_STRICT=1: {message}")
+    print(message, flush=True)
+
+
+@functools.cache
+def flash_attn_varlen():  # flash-attn's varlen kernel, or None; imported once: a wheel built for another torch
+    if importlib.util.find_spec("flash_attn") is None:  # fails here, at set-up, not in the first packed forward
+        return None
+    try:
+        from flash_attn import flash_attn_varlen_func
+        return flash_attn_varlen_func
+    except Exception as e:
+        fall_back(f"flash-attn is installed but does not import ({str(e).splitlines()[0][:200]}); packed attention "
+                  "runs through SDPA")
+
+
+def ppo_attention(module, query, key, value, attention_mask, packed_layout=None, grouped_decode=False, **kwargs):
+    """The transformers attention function (registered as "ppo_tokens") of packed forwards and of the fast sampler's
+    decode step; plain SDPA for every other call. query (B, heads, q_len, d), key and value (B, kv_heads, k_len, d).
+    Returns ((B, q_len, heads, d), None)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    scaling, groups = kwargs.get("scaling"), query.shape[1] // key.shape[1]
+    if grouped_decode and query.shape[2] == 1 and groups > 1:
+        # one new token per row (StaticDecoder): the query heads that share a K/V head act as that head's queries,
+        # so SDPA reads the cache once. (transformers repeats the whole cache `groups` times when given a mask.)
+        B, heads, _, d = query.shape
+        out = torch.nn.functional.scaled_dot_product_attention(query.view(B, heads // groups, groups, d), key, value,
+                                                               attn_mask=attention_mask, scale=scaling)
+        return out.reshape(B, heads, 1, d).transpose(1, 2), None
+    if packed_layout is None:  # (pack_sequences' empty mask cannot pass for a real one: SDPA would fail on it)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    if kwargs.get("sliding_window") is not None:
+        raise ValueError("sliding-window attention is not supported packed")
+    layout, device = packed_layout, query.device.type
+    # under --bf16 autocast q and k leave RoPE in fp32 while v is bf16: flash-attn gets all three in the autocast dtype
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else query.dtype
+    if query.is_cuda and dtype in (torch.bfloat16, torch.float16) and flash_attn_varlen() is not None:
+        q, k, v = (x[0].transpose(0, 1).to(dtype) for x in (query, key, value))  # (N, heads, d)
+        return flash_attn_varlen()(q, k, v, layout["cu_seqlens"], layout["cu_seqlens"], layout["width"],
+                                   layout["width"], softmax_scale=scaling, causal=True)[None], None
+    rows, width, to_packed = layout["rows"], layout["width"], layout["to_packed"]
+
+    def padded(x):  # (1, h, N, d) -> (rows, h, width, d): one sequence per row, zeros after it (index_copy and
+        x = x[0].transpose(0, 1)  # index_select: their backwards are a gather and an index_add, both cheap)
+        rows_view = x.new_zeros(rows * width, *x.shape[1:]).index_copy(0, to_packed, x)
+        return rows_view.view(rows, width, *x.shape[1:]).transpose(1, 2)
+    q, k, v = padded(query), padded(key), padded(value)
+    if dtype == torch.float32 and groups > 1:  # SDPA has no fused fp32 kernel for GQA (only its math one)
+        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    # right-padded rows need no mask: causal attention never looks at the pads after a sequence's last token
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling,
+                                                           enable_gqa=k.shape[1] != q.shape[1])
+    out = out.transpose(1, 2).reshape(rows * width, *q.shape[1:2], q.shape[3])  # (rows * width, heads, d)
+    return out.index_select(0, to_packed)[None], None
+
+
+def decoder_kwargs(model):  # (the name of the forward's cache argument, {"logits_to_keep": 1} if it takes one)
+    params = inspect.signature(model.forward).parameters  # transformers 5.24 renamed past_key_values to cache
+    keep = {"logits_to_keep": 1} if "logits_to_keep" in params else {}  # not (B, P, V) prefill logits
+    return ("cache" if "cache" in params else "past_key_values"), keep
+
+
+def use_ppo_attention(model) -> bool:  # model (or a backbone) attends through ppo_attention, if it used SDPA
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+    if model.config._attn_implementation not in ("sdpa", "ppo_tokens"):
+        return False
+    AttentionInterface.register("ppo_tokens", ppo_attention)
+    AttentionMaskInterface.register("ppo_tokens", sdpa_mask)
+    model.set_attn_implementation("ppo_tokens")
+    return True
+
+
+class StaticDecoder:
+    """The fast sampler's model calls: a preallocated KV cache (transformers' StaticCache) and attention mask, so a
+    decode step allocates nothing and never waits for the host; on CUDA the step is captured once as a CUDA graph
+    and replayed (one launch instead of ~10 kernels per layer, each with its Python dispatch). One decoder serves
+    every batch of batch_size rows whose prompt + response fit in max_len. It needs full-attention layers that take
+    a ready 4D boolean mask through SDPA (Llama, Qwen2/3, Mistral, ...), which ppo_tokens.fast_decoder checks against
+    the plain loop (ppo_tokens.PlainDecoder), whose interface it shares: start(prompt ids, mask, position ids) and
+    step(token), each returning the next token's logits (B, V)."""
+
+    def __init__(self, model, batch_size: int, max_len: int):
+        from transformers import StaticCache
+        config = model.config
+        window = getattr(config, "sliding_window", None)
+        layer_types = getattr(config, "layer_types", None) or ()
+        sliding = "sliding_attention" in layer_types or getattr(config, "use_sliding_window", True)
+        if window and sliding and window < max_len:  # its mask below would let those layers see past their window
+            raise ValueError(f"sliding-window layers (window {window} < {max_len} cache columns)")
+        self.model, (self.cache_kwarg, self.keep) = model, decoder_kwargs(model)
+        device, self.max_len = model.device, max_len
+        self.cache = {self.cache_kwarg: StaticCache(config=model.config, max_cache_len=max_len), "use_cache": True}
+        self.mask = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)  # (B, L) keys a row may see
+        self.token = torch.zeros(batch_size, 1, dtype=torch.long, device=device)  # the step's inputs, updated in place
+        self.position = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
+        self.column = torch.zeros(1, dtype=torch.long, device=device)  # the cache column the next token goes to
+        self.graph, self.prefill, self.decode = None, model, model  # fast_decoder may swap in compiled model calls
+        self.grouped = {"grouped_decode": True} if use_ppo_attention(model) else {}  # GQA without repeating K/V
+        self.warm_up()  # allocates the cache (transformers does it lazily)
+
+    def warm_up(self):  # a 2-token prompt: a compiled prefill would specialise (and recompile) on length 1
+        # (contiguous, as every prompt: an expanded view would fail a compiled prefill's stride guards)
+        ids = self.token.repeat(1, 2)
+        return self.start(ids, torch.ones_like(ids), torch.arange(2, device=ids.device).repeat(ids.shape[0], 1))
+
+    def capture(self):  # CUDA: record one decode step as a graph, after a warm-up on a side stream (as required)
+        self.warm_up()  # 2 columns, then the 3 steps below: 5, which fast_decoder makes every cache hold
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # the outer context: a failed capture still gives the stream back
+            for _ in range(2):
+                self._step()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):  # other threads may run
+                self.logits = self._step()
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = graph
+
+    def start(self, prompt_ids, prompt_mask, position_ids):
+        P = prompt_ids.shape[1]
+        self.cache[self.cache_kwarg].reset()  # zeroes in place: the graph's addresses stay valid
+        self.mask.zero_()
+        self.mask[:, :P] = prompt_mask.bool()
+        query = torch.arange(P, device=self.mask.device)[:, None]
+        key = torch.arange(self.max_len, device=self.mask.device)
+        # (B, 1, P, L): causal over the real prompt tokens; a pad attends to itself (a fully masked row would be NaN,
+        # and 0 * NaN poisons the real rows that give it zero weight)
+        allowed = (self.mask[:, None, None, :] & (key <= query)) | (key == query)
+        self.position.copy_(position_ids[:, -1:])
+        self.column.fill_(P)
+        return self.prefill(input_ids=prompt_ids, attention_mask=allowed, position_ids=position_ids, **self.cache,
+                            **self.keep).logits[:, -1]
+
+    def step(self, token):
+        self.token.copy_(token[:, None])
+        if self.graph is None:
+            return self._step()
+        self.graph.replay()
+        return self.logits
+
+    def _step(self):  # reads and updates the static inputs in place, so a CUDA graph of it replays correctly
+        self.mask.index_fill_(1, self.column, True)
+        self.column.add_(1)
+        self.position.add_(1)
+        return self.decode(input_ids=self.token, attention_mask=self.mask[:, None, None, :],
+                           position_ids=self.position, **self.cache, **self.keep, **self.grouped).logits[:, -1]
+
+
+def pack_sequences(input_ids, attention_mask, prompt_lengths, response_mask):
+    """The real tokens of a left-padded batch (input_ids, attention_mask (B, L): prompt + response, each row's real
+    tokens contiguous; prompt_lengths (B,); response_mask (B, T)) as one row, each sequence's prompt then response,
+    back to back, with position ids restarting at 0 for each. Returns (input_ids (1, N), an empty 4D mask that tells
+    transformers not to build one, position_ids (1, N), layout): layout["predict"] (n,) the packed column whose hidden
+    state predicts each real response token (row-major), cu_seqlens for flash-attn, and where each token goes in the
+    right-padded view."""
+    real, device = attention_mask.bool(), input_ids.device
+    lengths = real.sum(1)  # (B,)
+    starts = lengths.cumsum(0) - lengths  # (B,) where each sequence starts in the packed row
+    position_ids = torch.arange(int(lengths.sum()), device=device) - starts.repeat_interleave(lengths)  # (N,)
+    t = torch.arange(response_mask.shape[1], device=device)
+    predict = (starts + prompt_lengths - 1)[:, None] + t  # (B, T): column P-1+t of each sequence
+    width = int(lengths.max())  # (this, the total length and the boolean indexing each sync with the host)
+    column = torch.arange(width, device=device)
+    inside = column < lengths[:, None]  # (B, width)
+    layout = {"predict": predict[response_mask.bool()], "rows": len(lengths), "width": width,
+              "cu_seqlens": torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).int(),
+              "to_packed": (torch.arange(len(lengths), device=device)[:, None] * width + column)[inside]}  # (N,)
+    return input_ids[real][None], real.new_ones(1, 1, 0, 0), position_ids[None], layout
+
+
+def token_budget_bins(lengths, budget: int, bins=0):
+    """Row indices (into lengths) grouped into micro-batches of at most `budget` tokens, longest rows first, so each
+    micro-batch holds sequences of similar length (little padding in the attention's view). A row longer than the
+    budget would get one of its own (setup refuses such a budget). bins: make at least this many (by halving the
+    largest), so that every rank runs the same number of forwards (FSDP2 gathers the weights in each)."""
+    groups, total = [], budget + 1
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        if total + lengths[i] > budget:
+            groups.append([])
+            total = 0
+        groups[-1].append(i)
+        total += lengths[i]
+    while len(groups) < bins:
+        largest = max((g for g in groups if len(g) > 1), key=lambda g: sum(lengths[i] for i in g))
+        groups.remove(largest)
+        groups += [largest[:len(largest) // 2], largest[len(largest) // 2:]]
+    return groups
+
+
+def timed(fns: dict, device, reps=5):
+    """{name: median seconds of fns[name]()}: one warm-up each, then reps rounds that run each once, interleaved, so a
+    slow spell of the machine hits all alike (the benchmarks of ppo_tokens.py)."""
+    times = {name: [] for name in fns}
+    for round in range(reps + 1):
+        for name, fn in fns.items():
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if round:  # (round 0: the warm-up)
+                times[name].append(time.perf_counter() - t0)
+    return {name: sorted(t)[reps // 2] for name, t in times.items()}
 
 
 # ---------------------------------------------------------------------------------------------------- benchmark

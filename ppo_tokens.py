@@ -29,14 +29,17 @@ Run it:
     python ppo_tokens.py --help                             # every flag with its comment
 The numbers quoted in README.md come from the commands listed there, on the machines named there.
 """
-import argparse, collections, contextlib, copy, dataclasses, functools, gc, hashlib, importlib, inspect, itertools, json, math
+import argparse, collections, contextlib, copy, dataclasses, functools, gc, hashlib, importlib, itertools, json, math
 import os, queue, random, shutil, signal, sys, threading, time
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 
-from kernels import linear_token_logprobs, token_logprobs
+from kernels import linear_token_logprobs, token_logprobs  # the fused log-prob kernels
+# the fast paths (kernels.py), each checked against its plain path here: the sampler, packed forwards, timing
+from kernels import (StaticDecoder, decoder_kwargs, fall_back, pack_sequences, timed, token_budget_bins,
+                     use_ppo_attention)
 
 # ----------------------------------------------------------------------------------------------------------------
 # config
@@ -236,14 +239,6 @@ def any_rank(flag: bool, device) -> bool:  # a decision every rank must take tog
     return bool(all_reduce(torch.tensor([float(flag)], device=device), "max"))
 
 
-def fall_back(message: str):
-    """A fast path is off (fast sampler, CUDA graph, compile, flash-attn, the fused head): say why in one line. With
-    PPO_TOKENS_STRICT=1 (the tests set it) it is an error instead, so nothing passes on a slow path by accident."""
-    if os.environ.get("PPO_TOKENS_STRICT") == "1":
-        raise RuntimeError(f"PPO_TOKENS_STRICT=1: {message}")
-    print(message, flush=True)
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # models and tokenizer
 
@@ -430,74 +425,6 @@ class Actor(nn.Module):
                                  self.temperature, kept_ids, self.full_logits, layout, self.vocab)
 
 
-# Packed (padding-free) forwards: the real tokens of a micro-batch as one row (pack_sequences), and an attention for
-# transformers that keeps the sequences apart: flash-attn's varlen kernel when it is installed (CUDA, bf16/fp16),
-# otherwise SDPA on a right-padded view of the packed sequences: every linear layer, norm and the lm_head run on the
-# real tokens only, and the attention of a micro-batch of similar lengths (token_budget_bins) pads little.
-# transformers' own packed path for SDPA builds an (N, N) block-diagonal mask and computes every block of it.
-
-@functools.cache
-def flash_attn_varlen():  # flash-attn's varlen kernel, or None; imported once: a wheel built for another torch
-    if importlib.util.find_spec("flash_attn") is None:  # fails here, at set-up, not in the first packed forward
-        return None
-    try:
-        from flash_attn import flash_attn_varlen_func
-        return flash_attn_varlen_func
-    except Exception as e:
-        fall_back(f"flash-attn is installed but does not import ({str(e).splitlines()[0][:200]}); packed attention "
-                  "runs through SDPA")
-
-
-def ppo_attention(module, query, key, value, attention_mask, packed_layout=None, grouped_decode=False, **kwargs):
-    """The transformers attention function (registered as "ppo_tokens") of packed forwards and of the fast sampler's
-    decode step; plain SDPA for every other call. query (B, heads, q_len, d), key and value (B, kv_heads, k_len, d).
-    Returns ((B, q_len, heads, d), None)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    scaling, groups = kwargs.get("scaling"), query.shape[1] // key.shape[1]
-    if grouped_decode and query.shape[2] == 1 and groups > 1:
-        # one new token per row (StaticDecoder): the query heads that share a K/V head act as that head's queries,
-        # so SDPA reads the cache once. (transformers repeats the whole cache `groups` times when given a mask.)
-        B, heads, _, d = query.shape
-        out = torch.nn.functional.scaled_dot_product_attention(query.view(B, heads // groups, groups, d), key, value,
-                                                               attn_mask=attention_mask, scale=scaling)
-        return out.reshape(B, heads, 1, d).transpose(1, 2), None
-    if packed_layout is None:  # (pack_sequences' empty mask cannot pass for a real one: SDPA would fail on it)
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    if kwargs.get("sliding_window") is not None:
-        raise ValueError("sliding-window attention is not supported packed")
-    layout, device = packed_layout, query.device.type
-    # under --bf16 autocast q and k leave RoPE in fp32 while v is bf16: flash-attn gets all three in the autocast dtype
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else query.dtype
-    if query.is_cuda and dtype in (torch.bfloat16, torch.float16) and flash_attn_varlen() is not None:
-        q, k, v = (x[0].transpose(0, 1).to(dtype) for x in (query, key, value))  # (N, heads, d)
-        return flash_attn_varlen()(q, k, v, layout["cu_seqlens"], layout["cu_seqlens"], layout["width"],
-                                   layout["width"], softmax_scale=scaling, causal=True)[None], None
-    rows, width, to_packed = layout["rows"], layout["width"], layout["to_packed"]
-
-    def padded(x):  # (1, h, N, d) -> (rows, h, width, d): one sequence per row, zeros after it (index_copy and
-        x = x[0].transpose(0, 1)  # index_select: their backwards are a gather and an index_add, both cheap)
-        return x.new_zeros(rows * width, *x.shape[1:]).index_copy(0, to_packed, x).view(rows, width, *x.shape[1:]).transpose(1, 2)
-    q, k, v = padded(query), padded(key), padded(value)
-    if dtype == torch.float32 and groups > 1:  # SDPA has no fused fp32 kernel for GQA (only its math one)
-        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-    # right-padded rows need no mask: causal attention never looks at the pads after a sequence's last token
-    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling,
-                                                           enable_gqa=k.shape[1] != q.shape[1])
-    out = out.transpose(1, 2).reshape(rows * width, *q.shape[1:2], q.shape[3])  # (rows * width, heads, d)
-    return out.index_select(0, to_packed)[None], None
-
-
-def use_ppo_attention(model) -> bool:  # model (or a backbone) attends through ppo_attention, if it used SDPA
-    from transformers import AttentionInterface, AttentionMaskInterface
-    from transformers.masking_utils import sdpa_mask
-    if model.config._attn_implementation not in ("sdpa", "ppo_tokens"):
-        return False
-    AttentionInterface.register("ppo_tokens", ppo_attention)
-    AttentionMaskInterface.register("ppo_tokens", sdpa_mask)
-    model.set_attn_implementation("ppo_tokens")
-    return True
-
-
 def use_packed_attention(backbone, bf16=False):
     """Let a transformers backbone run packed forwards (ppo_attention), and check on a ragged batch that packed
     hidden states equal padded ones, also under --bf16's autocast (flash-attn's path); else refuse with a message."""
@@ -515,7 +442,7 @@ def use_packed_attention(backbone, bf16=False):
             with torch.no_grad(), ieee_fp32(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=mixed):
                 padded = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                   use_cache=False).last_hidden_state[attention_mask.bool()].float()
-                *inputs, layout = pack_sequences(check)
+                *inputs, layout = packed_inputs(check)
                 packed = backbone(*inputs[:1], attention_mask=inputs[1], position_ids=inputs[2], use_cache=False,
                                   packed_layout=layout).last_hidden_state[0].float()
         except (ValueError, RuntimeError) as e:
@@ -754,14 +681,11 @@ class PlainDecoder:
     that transformers turns into a 4D one at every call. Works for every causal LM that setup() accepts."""
 
     def __init__(self, model):
-        params = inspect.signature(model.forward).parameters  # transformers 5.24 renamed past_key_values to cache
-        self.model, self.cache_kwarg = model, "cache" if "cache" in params else "past_key_values"
-        self.keep = {"logits_to_keep": 1} if "logits_to_keep" in params else {}  # not (B, P, V) prefill logits
+        self.model, (self.cache_kwarg, self.keep) = model, decoder_kwargs(model)
 
-    def start(self, prompt_ids, prompt_mask):  # -> (B, V) logits of the first response token
-        self.mask, position = prompt_mask, positions(prompt_mask)  # (B, P) each
-        self.position, self.cache = position[:, -1:], {"use_cache": True}
-        return self._forward(prompt_ids, position)
+    def start(self, prompt_ids, prompt_mask, position_ids):  # (B, P) each -> (B, V) logits of the first response token
+        self.mask, self.position, self.cache = prompt_mask, position_ids[:, -1:], {"use_cache": True}
+        return self._forward(prompt_ids, position_ids)
 
     def step(self, token):  # token (B,) -> (B, V) logits of the next one
         self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], 1)
@@ -775,84 +699,12 @@ class PlainDecoder:
         return out.logits[:, -1]
 
 
-class StaticDecoder(PlainDecoder):
-    """The fast sampler's model calls: a preallocated KV cache (transformers' StaticCache) and attention mask, so a
-    decode step allocates nothing and never waits for the host; on CUDA the step is captured once as a CUDA graph
-    and replayed (one launch instead of ~10 kernels per layer, each with its Python dispatch). One decoder serves
-    every batch of batch_size rows whose prompt + response fit in max_len. It needs full-attention layers that take
-    a ready 4D boolean mask through SDPA (Llama, Qwen2/3, Mistral, ...), which fast_decoder checks."""
-
-    def __init__(self, model, batch_size: int, max_len: int):
-        from transformers import StaticCache
-        config = model.config
-        window = getattr(config, "sliding_window", None)
-        layer_types = getattr(config, "layer_types", None) or ()
-        sliding = "sliding_attention" in layer_types or getattr(config, "use_sliding_window", True)
-        if window and sliding and window < max_len:  # its mask below would let those layers see past their window
-            raise ValueError(f"sliding-window layers (window {window} < {max_len} cache columns)")
-        super().__init__(model)
-        device, self.max_len = model.device, max_len
-        self.cache = {self.cache_kwarg: StaticCache(config=model.config, max_cache_len=max_len), "use_cache": True}
-        self.mask = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)  # (B, L) keys a row may see
-        self.token = torch.zeros(batch_size, 1, dtype=torch.long, device=device)  # the step's inputs, updated in place
-        self.position = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
-        self.column = torch.zeros(1, dtype=torch.long, device=device)  # the cache column the next token goes to
-        self.graph, self.prefill, self.decode = None, model, model  # fast_decoder may swap in compiled model calls
-        self.grouped = {"grouped_decode": True} if use_ppo_attention(model) else {}  # GQA without repeating K/V
-        self.warm_up()  # allocates the cache (transformers does it lazily)
-
-    def warm_up(self):  # a 2-token prompt: a compiled prefill would specialise (and recompile) on length 1
-        return self.start(self.token.repeat(1, 2), torch.ones_like(self.token).repeat(1, 2))  # (contiguous, as
-        # every prompt: an expanded view would fail a compiled prefill's stride guards)
-
-    def capture(self):  # CUDA: record one decode step as a graph, after a warm-up on a side stream (as required)
-        self.warm_up()  # 2 columns, then the 3 steps below: 5, which fast_decoder makes every cache hold
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # the outer context: a failed capture still gives the stream back
-            for _ in range(2):
-                self._step()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):  # other threads may run
-                self.logits = self._step()
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = graph
-
-    def start(self, prompt_ids, prompt_mask):
-        P = prompt_ids.shape[1]
-        self.cache[self.cache_kwarg].reset()  # zeroes in place: the graph's addresses stay valid
-        self.mask.zero_()
-        self.mask[:, :P] = prompt_mask.bool()
-        query, key = torch.arange(P, device=self.mask.device)[:, None], torch.arange(self.max_len, device=self.mask.device)
-        # (B, 1, P, L): causal over the real prompt tokens; a pad attends to itself (a fully masked row would be NaN,
-        # and 0 * NaN poisons the real rows that give it zero weight)
-        allowed = (self.mask[:, None, None, :] & (key <= query)) | (key == query)
-        position = positions(prompt_mask)  # (B, P)
-        self.position.copy_(position[:, -1:])
-        self.column.fill_(P)
-        return self.prefill(input_ids=prompt_ids, attention_mask=allowed, position_ids=position, **self.cache,
-                          **self.keep).logits[:, -1]
-
-    def step(self, token):
-        self.token.copy_(token[:, None])
-        if self.graph is None:
-            return self._step()
-        self.graph.replay()
-        return self.logits
-
-    def _step(self):  # reads and updates the static inputs in place, so a CUDA graph of it replays correctly
-        self.mask.index_fill_(1, self.column, True)
-        self.column.add_(1)
-        self.position.add_(1)
-        return self.decode(input_ids=self.token, attention_mask=self.mask[:, None, None, :], position_ids=self.position,
-                           **self.cache, **self.keep, **self.grouped).logits[:, -1]
-
-
 def agrees_with_plain_loop(decoder, model, batch_size: int):  # raises if decoder's logits are not the plain loop's
     ids = torch.randint(0, model.config.vocab_size, (batch_size, 3), device=model.device)
     mask = torch.ones_like(ids)
     mask[0, 0] = 0  # a left pad
-    outputs = [[d.start(ids, mask), d.step(ids[:, 1]).clone(), d.step(ids[:, 2])] for d in (decoder, PlainDecoder(model))]
+    outputs = [[d.start(ids, mask, positions(mask)), d.step(ids[:, 1]).clone(), d.step(ids[:, 2])]
+               for d in (decoder, PlainDecoder(model))]
     for a, b in zip(*outputs):  # fp32: log-probs within 1e-3; bf16 (one rounding step can be 0.25): distributions
         a, b = torch.log_softmax(a.float(), -1), torch.log_softmax(b.float(), -1)  # within 0.02 total variation
         diff = (a - b).abs().max() if model.dtype == torch.float32 else 0.5 * (a.exp() - b.exp()).abs().sum(-1).max()
@@ -909,7 +761,7 @@ def generate(sampler, prompt_ids, prompt_mask, *, max_new_tokens, temperature, s
     between_steps: called between decode steps, returns the sampler's policy version (in-flight weight updates: the
     KV cache keeps the old weights' keys and values, as in PipelineRL; every token is tagged with its version)."""
     decoder = PlainDecoder(sampler) if isinstance(sampler, nn.Module) else sampler
-    logits = decoder.start(prompt_ids, prompt_mask)[:, :vocab]  # (B, V)
+    logits = decoder.start(prompt_ids, prompt_mask, positions(prompt_mask))[:, :vocab]  # (B, V)
     stop_ids = torch.as_tensor(stop_ids, device=prompt_ids.device).reshape(-1)
     done = torch.zeros(prompt_ids.shape[0], dtype=torch.bool, device=prompt_ids.device)
     tokens, masks, logprobs, kept, versions = [], [], [], [], []
@@ -995,7 +847,12 @@ def gae(rewards, values, response_mask, gamma: float, lam: float):
 
 
 def model_inputs(batch: Rollout, cfg: Config):  # (input_ids, attention_mask, position_ids, packed layout or None)
-    return pack_sequences(batch) if cfg.micro_batch_tokens else (*full_sequence(batch), None)
+    return packed_inputs(batch) if cfg.micro_batch_tokens else (*full_sequence(batch), None)
+
+
+def packed_inputs(batch: Rollout):  # the fast path of model_inputs: the batch's real tokens as one row (kernels.py)
+    input_ids, attention_mask, _ = full_sequence(batch)
+    return pack_sequences(input_ids, attention_mask, batch.prompt_mask.sum(1), batch.response_mask)
 
 
 def rollout_logprobs(model, batch: Rollout, cfg: Config, inputs=None):  # (logprobs, entropy), (B, T) each
@@ -1003,27 +860,6 @@ def rollout_logprobs(model, batch: Rollout, cfg: Config, inputs=None):  # (logpr
     actor = model if isinstance(getattr(model, "module", model), Actor) else Actor(model, cfg.temperature, cfg.full_logits)
     *inputs, layout = inputs or model_inputs(batch, cfg)
     return actor(*inputs, batch.response, batch.response_mask, batch.kept_ids, layout)
-
-
-def pack_sequences(batch: Rollout):
-    """The real tokens of a batch as one row, each sequence's prompt then response, back to back, with position ids
-    restarting at 0 for each. Returns (input_ids (1, N), an empty 4D mask that tells transformers not to build one,
-    position_ids (1, N), layout): layout["predict"] (n,) the packed column whose hidden state predicts each real
-    response token (row-major), cu_seqlens for flash-attn, and where each token goes in the right-padded view."""
-    input_ids, attention_mask, _ = full_sequence(batch)  # (B, L); each row's real tokens are contiguous
-    real, device = attention_mask.bool(), input_ids.device
-    lengths = real.sum(1)  # (B,)
-    starts = lengths.cumsum(0) - lengths  # (B,) where each sequence starts in the packed row
-    position_ids = torch.arange(int(lengths.sum()), device=device) - starts.repeat_interleave(lengths)  # (N,)
-    t = torch.arange(batch.response.shape[1], device=device)
-    predict = (starts + batch.prompt_mask.sum(1) - 1)[:, None] + t  # (B, T): column P-1+t of each sequence
-    width = int(lengths.max())  # (this, the total length and the boolean indexing each sync with the host)
-    column = torch.arange(width, device=device)
-    inside = column < lengths[:, None]  # (B, width)
-    layout = {"predict": predict[batch.response_mask.bool()], "rows": len(lengths), "width": width,
-              "cu_seqlens": torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).int(),
-              "to_packed": (torch.arange(len(lengths), device=device)[:, None] * width + column)[inside]}  # (N,)
-    return input_ids[real][None], real.new_ones(1, 1, 0, 0), position_ids[None], layout
 
 
 def full_sequence(batch: Rollout):  # prompt + response as one left-padded sequence, its mask and position ids
@@ -1042,25 +878,6 @@ def critic_values(critic, batch: Rollout, inputs=None):  # (B, T): V(state befor
         return torch.zeros_like(mask, dtype=values.dtype).masked_scatter(mask, values)
     values = critic(*inputs)[:, batch.prompt_ids.shape[1] - 1:-1]
     return torch.where(mask, values, 0.0)
-
-
-def token_budget_bins(lengths, budget: int, bins=0):
-    """Row indices (into lengths) grouped into micro-batches of at most `budget` tokens, longest rows first, so each
-    micro-batch holds sequences of similar length (little padding in the attention's view). A row longer than the
-    budget would get one of its own (setup refuses such a budget). bins: make at least this many (by halving the
-    largest), so that every rank runs the same number of forwards (FSDP2 gathers the weights in each)."""
-    groups, total = [], budget + 1
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        if total + lengths[i] > budget:
-            groups.append([])
-            total = 0
-        groups[-1].append(i)
-        total += lengths[i]
-    while len(groups) < bins:
-        largest = max((g for g in groups if len(g) > 1), key=lambda g: sum(lengths[i] for i in g))
-        groups.remove(largest)
-        groups += [largest[:len(largest) // 2], largest[len(largest) // 2:]]
-    return groups
 
 
 def micro_batch_rows(batch: Rollout, minibatches, cfg: Config, ranks_agree=False):
@@ -2079,18 +1896,6 @@ def bench_overlap(cfg: Config, output_dir: str):
               f"{sum(r['weight_sync_ms'] for r in h) / len(h):>7.2f} | {sum(r['reward_mean'] for r in reached) / len(reached):.3f}")
 
 
-def timed(fns: dict, device, reps=5):  # {name: median seconds of fns[name]()}: one warm-up each, then reps rounds
-    times = {name: [] for name in fns}  # that run each once, interleaved, so a slow spell of the machine hits all alike
-    for round in range(reps + 1):
-        for name, fn in fns.items():
-            torch.cuda.synchronize(device) if device.type == "cuda" else None
-            t0 = time.perf_counter()
-            fn()
-            torch.cuda.synchronize(device) if device.type == "cuda" else None
-            times[name] += [time.perf_counter() - t0] if round else []
-    return {name: sorted(t)[reps // 2] for name, t in times.items()}
-
-
 def bench_rollout(cfg: Config):
     """--bench-rollout: (1) tokens/s of our sampler (fast_decoder, what the loop samples with) against transformers'
     generate and our plain DynamicCache loop, on the sampler copy (bf16 on GPU), --batch-size prompts, every row
@@ -2117,7 +1922,7 @@ def bench_rollout(cfg: Config):
                                       top_k=0, top_p=1.0, max_new_tokens=T, min_new_tokens=T,
                                       pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
         seconds = timed({"HF generate": hf, "plain loop": lambda: ours(sampler),
-                         **{n: lambda d=d: ours(d) for n, d in decoders.items()}, "prefill": lambda: decoder.start(ids, mask)}, device)
+                         **{n: lambda d=d: ours(d) for n, d in decoders.items()}, "prefill": lambda: decoder.start(ids, mask, positions(mask))}, device)
         prefill = seconds.pop("prefill")
     print(f"\nsampling {B} x {T} tokens after {ids.shape[1]}-token prompts, {sum(p.numel() for p in sampler.parameters()) / 1e6:.1f}M "
           f"parameters in {sampler.dtype} on {device}:")

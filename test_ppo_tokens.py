@@ -1511,7 +1511,7 @@ def test_packed_scoring_equals_padded_scoring(tokenizer, family):
     pt.use_packed_attention(pt.backbone_of(policy))
     critic = pt.build_critic(policy)
     critic.head.weight.data.copy_(padded_critic.head.weight)
-    *inputs, layout = pt.pack_sequences(batch)
+    *inputs, layout = pt.packed_inputs(batch)
     assert inputs[0].shape[1] == int(batch.prompt_mask.sum() + batch.response_mask.sum())  # no pads at all
     packed = pt.sequence_logprobs(policy, *inputs, batch.response, batch.response_mask, 0.8, batch.kept_ids,
                                   layout=layout)
@@ -1519,7 +1519,7 @@ def test_packed_scoring_equals_padded_scoring(tokenizer, family):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
         assert (a[~batch.response_mask.bool()] == 0).all()
     # the critic is float32 (build_critic): float32 rounding
-    torch.testing.assert_close(pt.critic_values(critic, batch, pt.pack_sequences(batch)), padded_values, rtol=0, atol=1e-5)
+    torch.testing.assert_close(pt.critic_values(critic, batch, pt.packed_inputs(batch)), padded_values, rtol=0, atol=1e-5)
     cfg = SimpleNamespace(temperature=0.8, full_logits=True, micro_batch_tokens=64)  # the full-logits path packs too
     torch.testing.assert_close(pt.rollout_logprobs(policy, batch, cfg)[0], padded[0], rtol=0, atol=1e-10)
     from transformers import MistralConfig, MistralForCausalLM  # sliding windows are refused, not silently ignored
@@ -1537,7 +1537,7 @@ def test_grouped_decode_attention_equals_sdpa_with_repeated_kv():
     mask[:, :, :, 0] = True  # (no fully masked row)
     module = SimpleNamespace(num_key_value_groups=3, is_causal=True, training=False)
     expected, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.3)  # repeats K/V 3 times
-    grouped, _ = pt.ppo_attention(module, q, k, v, mask, grouped_decode=True, scaling=0.3)
+    grouped, _ = kernels.ppo_attention(module, q, k, v, mask, grouped_decode=True, scaling=0.3)
     assert grouped.shape == expected.shape == (3, 1, 6, 8)
     torch.testing.assert_close(grouped, expected, rtol=0, atol=1e-12)
 
@@ -1547,24 +1547,24 @@ def test_flash_attn_is_imported_to_detect_it_and_packing_is_checked_under_autoca
     (tmp_path / "flash_attn/__init__.py").write_text("raise ImportError('undefined symbol: _ZN3c10...')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delenv("PPO_TOKENS_STRICT")
-    pt.flash_attn_varlen.cache_clear()
+    kernels.flash_attn_varlen.cache_clear()
     try:
-        assert pt.flash_attn_varlen() is None and "flash-attn is installed but does not import" in capsys.readouterr().out
-        pt.flash_attn_varlen.cache_clear()
+        assert kernels.flash_attn_varlen() is None and "flash-attn is installed but does not import" in capsys.readouterr().out
+        kernels.flash_attn_varlen.cache_clear()
         monkeypatch.setenv("PPO_TOKENS_STRICT", "1")
         with pytest.raises(RuntimeError, match="PPO_TOKENS_STRICT=1: flash-attn is installed"):
-            pt.flash_attn_varlen()
+            kernels.flash_attn_varlen()
     finally:
-        pt.flash_attn_varlen.cache_clear()
+        kernels.flash_attn_varlen.cache_clear()
         sys.modules.pop("flash_attn", None)
     policy = tiny_llama(16, dtype=torch.float32)
     pt.use_packed_attention(policy.model, bf16=True)  # packed == padded in fp32 and under bf16 autocast
-    attention = pt.ppo_attention  # a packed path that only goes wrong under autocast (as a broken flash-attn would)
+    attention = kernels.ppo_attention  # a packed path that only goes wrong under autocast (as a broken flash-attn would)
 
     def broken(module, query, *args, packed_layout=None, **kwargs):
         out, _ = attention(module, query, *args, packed_layout=packed_layout, **kwargs)
         return (out.flip(1) if packed_layout is not None and torch.is_autocast_enabled("cpu") else out), None
-    monkeypatch.setattr(pt, "ppo_attention", broken)  # (use_ppo_attention registers it)
+    monkeypatch.setattr(kernels, "ppo_attention", broken)  # (use_ppo_attention registers it)
     try:
         pt.use_packed_attention(policy.model, bf16=False)
         with pytest.raises(SystemExit, match="under --bf16"):
@@ -1595,9 +1595,9 @@ def test_token_budget_micro_batches_cover_every_token_once(tokenizer):
 
 def test_packed_training_matches_padded_training(tokenizer, monkeypatch):
     results, sizes = [], []
-    pack_sequences = pt.pack_sequences  # count the packed micro-batches and their real tokens
-    monkeypatch.setattr(pt, "pack_sequences", lambda b: (sizes.append(int(b.prompt_mask.sum() + b.response_mask.sum())),
-                                                         pack_sequences(b))[1])
+    packed_inputs = pt.packed_inputs  # count the packed micro-batches and their real tokens
+    monkeypatch.setattr(pt, "packed_inputs", lambda b: (sizes.append(int(b.prompt_mask.sum() + b.response_mask.sum())),
+                                                        packed_inputs(b))[1])
     for packed in (False, True):
         cfg, policy, reference, critic, batch = tiny_setup(tokenizer, **({"micro_batch_tokens": 20} if packed else {}))
         if packed:
