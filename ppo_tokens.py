@@ -41,6 +41,7 @@ from kernels import linear_token_logprobs, token_logprobs  # the fused log-prob 
 from kernels import (StaticDecoder, decoder_kwargs, fall_back, pack_sequences, timed, token_budget_bins,
                      use_ppo_attention)
 
+
 # ----------------------------------------------------------------------------------------------------------------
 # config
 
@@ -130,497 +131,15 @@ class Config:
     wandb_project: str = arg("", "log to this Weights & Biases project (off when empty; wandb imported only then)")
 
 
-# flags a resumed run may change; every other flag must match the checkpoint's config (or be left out)
-RUN_ONLY = ("resume", "output_dir", "save_every", "keep_checkpoints", "max_bad_steps", "trace", "wandb_project",
-            "sample_every", "fsdp", "compile_sampler")
-
-
-def parse_config(argv=None) -> Config:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    for f in dataclasses.fields(Config):
-        kind = {"action": argparse.BooleanOptionalAction} if type(f.default) is bool else {"type": type(f.default)}
-        bare = {"nargs": "?", "const": "latest"} if f.name == "resume" else {}  # bare --resume: --output-dir's newest
-        parser.add_argument("--" + f.name.replace("_", "-"), default=f.default, help=f.metadata["help"], **kind, **bare)
-    args = vars(parser.parse_args(argv))
-    try:
-        if args["resume"]:  # the checkpoint's config becomes the defaults, so `--resume PATH` alone continues the run
-            checkpoint = find_checkpoint(args["output_dir"] if args["resume"] == "latest" else args["resume"])
-            with open(os.path.join(checkpoint, "config.json"), encoding="utf-8") as f:
-                saved = {k: v for k, v in json.load(f).items() if k in args}
-            parser.set_defaults(**saved)
-            args = vars(parser.parse_args(argv))
-            changed = [k for k in saved if k not in RUN_ONLY and args[k] != saved[k]]
-            if changed:
-                raise ValueError("--resume: " + ", ".join(f"--{k.replace('_', '-')} {args[k]} differs from the "
-                                 f"checkpoint's {saved[k]}" for k in changed) + "; drop the flag or start a new run")
-            args.update(resume=checkpoint, output_dir=os.path.dirname(os.path.dirname(checkpoint)))
-        cfg = Config(**args)
-        check_config(cfg)
-    except ValueError as e:
-        parser.exit(2, f"ppo_tokens.py: error: {e}\n")
-    return cfg
-
-
-def check_config(cfg: Config):
-    """Resolve the derived values and check every size once, with errors that name the flags to change."""
-    demo = not cfg.model and not cfg.prompts
-    if cfg.response_length == 0:
-        cfg.response_length = 4 if demo else 128
-    world = int(os.environ.get("WORLD_SIZE", "1"))  # under torchrun --batch-size is global; each rank takes 1/world
-    ranks = f" x {world} ranks (torchrun's WORLD_SIZE)" if world > 1 else ""
-    minibatch_size = cfg.batch_size // max(1, cfg.minibatches * world)  # per rank
-    checks = [(cfg.max_staleness >= 0, f"--max-staleness must be >= 0 (got {cfg.max_staleness}); 0 is synchronous PPO"),
-              (cfg.is_mode in ("truncate", "mask") and cfg.is_cap >= 1,
-               f"--is-mode must be truncate or mask and --is-cap >= 1 (got {cfg.is_mode!r}, {cfg.is_cap})"),
-              (cfg.temperature > 0, f"--temperature must be > 0 (got {cfg.temperature}); for near-greedy use e.g. 0.05"),
-              (cfg.kl_estimator in ("k1", "k3"), f"--kl-estimator must be k1 or k3 (got {cfg.kl_estimator!r})"),
-              (cfg.dtype in ("float32", "bfloat16"), f"--dtype must be float32 or bfloat16 (got {cfg.dtype!r})"),
-              (not (cfg.reward and cfg.reward_model), "give either --reward or --reward-model, not both"),
-              (demo or cfg.reward or cfg.reward_model or cfg.bench_rollout,  # (the benchmark scores nothing)
-               "--model/--prompts need a reward: pass --reward module:function or --reward-model DIR"),
-              (not cfg.model or cfg.prompts, "--model needs --prompts FILE.jsonl (the demo prompts fit the demo only)"),
-              (0 < cfg.top_p <= 1 and cfg.top_k >= 0, "--top-p must be in (0, 1] and --top-k >= 0"),
-              (cfg.long_prompts in ("truncate", "refuse"), f"--long-prompts must be truncate or refuse (got {cfg.long_prompts!r})"),
-              (not cfg.prompts or os.path.isfile(cfg.prompts), f"--prompts {cfg.prompts}: no such file"),
-              (not cfg.reward_model or os.path.isdir(cfg.reward_model), f"--reward-model {cfg.reward_model}: no such directory"),
-              (cfg.save_every >= 0, f"--save-every must be >= 0 (got {cfg.save_every})"),
-              (cfg.micro_batch_tokens >= 0 and not (cfg.micro_batch_tokens and cfg.micro_batch_size),
-               "give --micro-batch-size (rows) or --micro-batch-tokens (a token budget), not both; neither is negative"),
-              (cfg.static_cache or not cfg.compile_sampler, "--compile-sampler needs the static cache: drop --no-static-cache"),
-              (not (cfg.bench_overlap or cfg.bench_rollout) or world == 1,
-               "--bench-overlap and --bench-rollout run in one process; start them with python, not torchrun"),
-              (not demo or 1 <= cfg.eval_size <= 5000, f"--eval-size must be in 1..5000 (got {cfg.eval_size})"),
-              (world == 1 or ":" not in cfg.device, f"--device {cfg.device}: under torchrun each rank uses "
-               "cuda:LOCAL_RANK; pass --device cuda (or set CUDA_VISIBLE_DEVICES)"),
-              (not cfg.device.startswith("cuda") or torch.cuda.is_available(),
-               f"--device {cfg.device}: CUDA is not available here; use --device cpu")]
-    checks += [(getattr(cfg, n) >= 1, f"--{n.replace('_', '-')} must be >= 1 (got {getattr(cfg, n)})")
-               for n in ("steps", "batch_size", "response_length", "ppo_epochs", "minibatches", "eval_every",
-                         "keep_checkpoints", "max_bad_steps")]
-    checks += [(cfg.minibatches < 1 or cfg.batch_size % (cfg.minibatches * world) == 0,
-                f"--batch-size {cfg.batch_size} must be divisible by --minibatches {cfg.minibatches}{ranks}"),
-               (not cfg.micro_batch_size or minibatch_size % cfg.micro_batch_size == 0,
-                f"the minibatch size per rank (--batch-size {cfg.batch_size} / --minibatches {cfg.minibatches}{ranks} "
-                f"= {minibatch_size}) must be divisible by --micro-batch-size {cfg.micro_batch_size}")]
-    for ok, message in checks:
-        if not ok:
-            raise ValueError(message)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# distributed set-up: torchrun sets RANK, LOCAL_RANK and WORLD_SIZE; without them this is a single process. Each rank
-# samples and scores its own shard of every batch with its own sampler; the actor and critic train data-parallel
-# (DDP, or FSDP2 with --fsdp); whitening statistics and logged scalars are reduced over all ranks.
-
-
 Dist = collections.namedtuple("Dist", "rank local_rank world", defaults=(0, 0, 1))  # this process's place in the job
 
 
-def init_distributed(cfg: Config) -> Dist:
-    if "RANK" not in os.environ:
-        return Dist()
-    ctx = Dist(int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"]))
-    cuda = cfg.device != "cpu" and torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(ctx.local_rank)  # one device per local rank
-    torch.distributed.init_process_group("nccl" if cuda else "gloo")
-    if ctx.rank > 0:  # rank 0 alone prints; errors (stderr) still come from every rank
-        sys.stdout = open(os.devnull, "w")
-    return ctx
-
-
-def all_reduce(t, op="sum"):  # t reduced over all ranks, in place; the identity in a single process
-    if torch.distributed.is_initialized():
-        torch.distributed.all_reduce(t, getattr(torch.distributed.ReduceOp, op.upper()))
-    return t
-
-
-def any_rank(flag: bool, device) -> bool:  # a decision every rank must take together (skip an update, stop)
-    return bool(all_reduce(torch.tensor([float(flag)], device=device), "max"))
-
-
 # ----------------------------------------------------------------------------------------------------------------
-# models and tokenizer
-
-
-def build_demo_tokenizer():
-    """Character-level tokenizer for the addition demo, as a PreTrainedTokenizerFast (so it is any HF tokenizer)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-    vocab = {t: i for i, t in enumerate(["<pad>", "<bos>", "<eos>", "<unk>", *"0123456789+="])}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")  # one token per character
-    tok.decoder = decoders.Fuse()  # join characters back without spaces
-    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", vocab["<bos>"])])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
-                                   unk_token="<unk>", padding_side="left")
-
-
-def build_demo_policy(tokenizer, seed: int, hidden=128, layers=3):
-    """~0.6M-parameter Llama (hidden 128, 3 layers, 4 heads), the size calibrated in shared/DEMO-CALIBRATION.md."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
-                         num_key_value_heads=4, intermediate_size=hidden * 43 // 16, max_position_embeddings=64,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
-    return LlamaForCausalLM(config)
-
-
-PAD_TOKEN = "<|ppo_tokens_pad|>"
-
-
-def same_vocabulary(a, b) -> bool:  # the pad token we may have added does not count (it is never a real token)
-    return {k: v for k, v in a.get_vocab().items() if k != PAD_TOKEN} == \
-        {k: v for k, v in b.get_vocab().items() if k != PAD_TOKEN}
-
-
-def stop_token_ids(tokenizer, model) -> list:
-    """Every id that ends a completion: the tokenizer's EOS and the generation config's eos_token_id, where chat
-    models name several (Llama 3's <|eot_id|> and <|eom_id|>, Gemma's <end_of_turn>, Qwen's <|im_end|>, ...)."""
-    named = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    return sorted({tokenizer.eos_token_id, *(named if isinstance(named, list) else [named])} - {None})
-
-
-def ensure_pad_token(tokenizer, model, stop_ids=()) -> int:
-    """Give the tokenizer a pad token distinct from every stop id. Masks never come from `ids == pad` here, but a pad
-    equal to EOS is how other code ends up masking the real EOS token out of the loss, so we refuse to share the id.
-    Returns the sampled vocabulary: the ids below it are the tokenizer's own tokens. Our added pad and the model's
-    spare embedding rows lie above it, so no completion can hold them (sampler and scorer both cut the logits there)."""
-    if tokenizer.pad_token_id is None or tokenizer.pad_token_id in (tokenizer.eos_token_id, *stop_ids):
-        tokenizer.add_special_tokens({"pad_token": PAD_TOKEN})
-        if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:  # many vocabularies have spare rows already
-            model.resize_token_embeddings(len(tokenizer))
-        model.config.pad_token_id = tokenizer.pad_token_id
-    vocab = min(len(tokenizer), model.get_output_embeddings().weight.shape[0])
-    return min(vocab, tokenizer.pad_token_id) if tokenizer.pad_token == PAD_TOKEN else vocab
-
-
-def disable_dropout(model: nn.Module):
-    """Dropout makes the scoring pass and the training pass see different networks, so the PPO ratio is not 1 on the
-    first minibatch (N+ detail). Zero every dropout module and every *dropout* probability in the config."""
-    for m in [*model.modules(), getattr(model, "config", None)]:  # HF attention layers read float attributes
-        for key, value in (vars(m).items() if m is not None else ()):
-            if "dropout" in key and isinstance(value, float):
-                setattr(m, key, 0.0)
-        if isinstance(m, nn.Dropout):
-            m.p = 0.0
-
-
-def backbone_of(model):  # LlamaForCausalLM.model, Qwen2ForSequenceClassification.model, GPT2*.transformer, ...
-    return getattr(model, model.base_model_prefix)
-
-
-class ScalarHeadModel(nn.Module):
-    """A causal-LM backbone with a linear head to one scalar per token: the critic (value of the state before each
-    token) and the reward model (score at the last real token) are both this."""
-
-    def __init__(self, backbone: nn.Module, head: nn.Linear):
-        super().__init__()
-        self.backbone, self.head = backbone, head
-
-    def forward(self, input_ids, attention_mask, position_ids, **packing):  # -> (B, L) float32
-        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                               use_cache=False, **packing).last_hidden_state
-        with torch.autocast(hidden.device.type, enabled=False):  # --bf16: the value head stays fp32
-            return self.head(hidden.to(self.head.weight.dtype)).squeeze(-1).float()
-
-
-def load_reward_model(path: str, device, dtype):
-    """Returns (ScalarHeadModel, its tokenizer) from an AutoModelForSequenceClassification directory."""
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
-    try:
-        model, tokenizer = AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype), AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as e:
-        raise SystemExit(f"--reward-model {path}: cannot load a sequence-classification model and tokenizer ({str(e).splitlines()[0]})")
-    if model.config.num_labels != 1:
-        raise SystemExit(f"--reward-model {path}: num_labels is {model.config.num_labels}; a reward model has 1")
-    head = getattr(model, "score", None)
-    if not isinstance(head, nn.Linear):
-        raise SystemExit(f"--reward-model {path}: no linear `score` head; use a causal-LM reward model "
-                         "(LlamaForSequenceClassification, Qwen2ForSequenceClassification, ...)")
-    rm = ScalarHeadModel(backbone_of(model), head)
-    disable_dropout(rm)
-    return rm.to(device).eval().requires_grad_(False), tokenizer
-
-
-def build_critic(policy, reward_model=None, same_tokenizer=False):
-    """Critic = a copy of the reward model when its tokenizer is the policy's (N+ detail: the value head starts from
-    the reward head, which already predicts the final score), else a copy of the policy's backbone with a
-    zero-initialised head, so the first advantages are just the rewards instead of noise from a random head (a random
-    head made the demo's accuracy collapse in calibration)."""
-    if reward_model is not None and same_tokenizer:
-        return copy.deepcopy(reward_model).to(torch.float32).requires_grad_(True).eval()
-    backbone = copy.deepcopy(backbone_of(policy))
-    head = nn.Linear(policy.config.hidden_size, 1, bias=False).to(policy.device, policy.dtype)
-    nn.init.zeros_(head.weight)
-    return ScalarHeadModel(backbone, head).to(torch.float32).requires_grad_(True).eval()
-
-
-def sequence_logprobs(model, input_ids, attention_mask, position_ids, response, response_mask, temperature,
-                      kept_ids=None, full_logits=False, layout=None, vocab=None):
-    """THE token log-prob function: log pi(response_t | context) under temperature, and the entropy, for the response
-    that starts at column P = input_ids.shape[1] - response.shape[1]. The hidden state at column P-1+t predicts
-    response token t. Returns (logprobs, entropy), each (B, T) float32 and exactly 0 on masked (pad) tokens.
-    layout: the inputs are one packed row (pack_sequences); the hidden states at layout["predict"] predict the real
-    response tokens, in row-major order. vocab: the distribution is over ids < vocab only, as generate samples it."""
-    mask = response_mask.bool()
-    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-    if layout is None:  # (B, T, H) hidden states and what they predict
-        select, targets, kept, target_mask = (lambda h: h[:, input_ids.shape[1] - response.shape[1] - 1:-1]), response, kept_ids, mask
-    else:  # (1, n, H): the n real response tokens only
-        inputs["packed_layout"], targets, target_mask = layout, response[mask][None], None
-        select, kept = (lambda h: h[:, layout["predict"]]), (None if kept_ids is None else kept_ids[mask][None])
-    # fused path when logits are exactly hidden @ W.T (setup checks it: fused_head_agrees): never holds the
-    # [tokens, vocab] logits, see kernels.linear_token_logprobs
-    head = getattr(model, "lm_head", None)
-    if not full_logits and isinstance(head, nn.Linear) and head.bias is None:
-        hidden = select(backbone_of(model)(**inputs).last_hidden_state)
-        with torch.autocast(hidden.device.type, enabled=False):  # --bf16: the head stays fp32 (logits in fp32)
-            out = linear_token_logprobs(hidden.to(head.weight.dtype), head.weight[:vocab], targets, temperature,
-                                        mask=target_mask, kept_ids=kept)
-    else:
-        logits = select(model(**inputs).logits)[..., :vocab]
-        out = token_logprobs(logits, targets, temperature, mask=target_mask, kept_ids=kept)
-    return out if layout is None else tuple(torch.zeros_like(mask, dtype=o.dtype).masked_scatter(mask, o[0]) for o in out)
-
-
-@torch.no_grad()
-def fused_head_agrees(model, vocab=None) -> bool:
-    """Whether the fused path's log-probs equal those of the model's own logits on a tiny batch (IEEE fp32 matmuls):
-    a model that post-processes its logits (Gemma 2's softcapping, Cohere's logit_scale, Granite's logits_scaling,
-    Falcon-H1's lm_head_multiplier, ...) needs --full-logits. The known config keys first: small logits (a freshly
-    initialised model) can hide a softcap."""
-    config = getattr(model, "config", None)
-    scales = ("final_logit_softcapping", "logit_scale", "logits_scaling")
-    if any(getattr(config, k, None) not in (None, 1.0) for k in scales):
-        return False
-    ids = torch.randint(0, vocab or model.config.vocab_size, (2, 6), device=model.device)
-    inputs = (ids, torch.ones_like(ids), positions(torch.ones_like(ids)), ids[:, 3:], torch.ones_like(ids[:, 3:]), 1.0)
-    with ieee_fp32():
-        fused, full = (sequence_logprobs(model, *inputs, full_logits=f, vocab=vocab)[0] for f in (False, True))
-    return bool(torch.allclose(fused, full, rtol=1e-4, atol=1e-4))
-
-
-@contextlib.contextmanager
-def ieee_fp32():  # start-up checks compare two paths in IEEE float32: TF32 would round each path its own way
-    tf32 = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = tf32
-
-
-class Actor(nn.Module):
-    """sequence_logprobs of a policy as one module forward, so DDP and FSDP2 see the whole computation: the fused
-    path reads lm_head.weight directly, which only the forward of the module they wrap syncs (DDP) or gathers (FSDP2)."""
-
-    def __init__(self, policy, temperature: float, full_logits=False, vocab=None):
-        super().__init__()
-        self.policy, self.temperature, self.full_logits, self.vocab = policy, temperature, full_logits, vocab
-
-    def forward(self, input_ids, attention_mask, position_ids, response, response_mask, kept_ids=None, layout=None):
-        return sequence_logprobs(self.policy, input_ids, attention_mask, position_ids, response, response_mask,
-                                 self.temperature, kept_ids, self.full_logits, layout, self.vocab)
-
-
-def use_packed_attention(backbone, bf16=False):
-    """Let a transformers backbone run packed forwards (ppo_attention), and check on a ragged batch that packed
-    hidden states equal padded ones, also under --bf16's autocast (flash-attn's path); else refuse with a message."""
-    if not use_ppo_attention(backbone):
-        raise SystemExit(f"--micro-batch-tokens packs sequences through SDPA; {type(backbone).__name__} uses "
-                         f"{backbone.config._attn_implementation!r} attention. Leave --micro-batch-tokens at 0")
-    device = backbone.device
-    ids = torch.randint(1, backbone.config.vocab_size, (2, 5), device=device)
-    check = Rollout(ids[:, :3], torch.tensor([[0, 1, 1], [1, 1, 1]], device=device), ids[:, 3:],
-                    torch.tensor([[1, 1], [1, 0]], device=device), None, None, None)
-    input_ids, attention_mask, position_ids = full_sequence(check)
-    for mixed in (False, True) if bf16 else (False,):
-        where = f"{type(backbone).__name__}{' under --bf16' if mixed else ''}"
-        try:
-            with torch.no_grad(), ieee_fp32(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=mixed):
-                padded = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                  use_cache=False).last_hidden_state[attention_mask.bool()].float()
-                *inputs, layout = packed_inputs(check)
-                packed = backbone(*inputs[:1], attention_mask=inputs[1], position_ids=inputs[2], use_cache=False,
-                                  packed_layout=layout).last_hidden_state[0].float()
-        except (ValueError, RuntimeError) as e:
-            raise SystemExit(f"--micro-batch-tokens: {where} cannot run packed ({str(e).splitlines()[0][:200]}); "
-                             "leave it at 0")
-        # fp32: the same sums in another order; bf16 autocast: each path rounds to bf16 in other places
-        error = (packed - padded).abs().max() if not mixed else (packed - padded).norm() / padded.norm()
-        if error > (1e-3 if not mixed else 0.02):
-            raise SystemExit(f"--micro-batch-tokens: packed sequences give other hidden states than padded ones in "
-                             f"{where} ({float(error):.2g}); leave it at 0")
-
-
-def decoder_layers(model):  # the transformer blocks: the longest ModuleList
-    return max((m for m in model.modules() if isinstance(m, nn.ModuleList)), key=len)
-
-
-def checkpoint_layers(model):
-    """--gradient-checkpointing: each decoder layer keeps only its inputs and recomputes its activations in the
-    backward (non-reentrant torch.utils.checkpoint; works in eval mode, unlike transformers' own, and under FSDP2)."""
-    def checkpointed(forward, *args, **kwargs):
-        if not torch.is_grad_enabled():
-            return forward(*args, **kwargs)
-        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
-    for layer in decoder_layers(model):
-        layer.forward = functools.partial(checkpointed, layer.forward)
-
-
-def fp32_head(model):
-    """--bf16: the lm_head runs outside autocast in fp32, so the full-logits path gets fp32 logits (autocast leaves a
-    model's logit post-processing, softcapping or scaling, in its input's dtype); the fused path does the same."""
-    head = model.get_output_embeddings()
-    forward = head.forward
-
-    def fp32_forward(hidden):
-        with torch.autocast(hidden.device.type, enabled=False):
-            return forward(hidden.to(head.weight.dtype))
-    head.forward = fp32_forward
-
-
-def autocast(cfg: Config, device):  # --bf16: the trainer's forwards in bf16 autocast, its weights and Adam in fp32
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# prompts and rewards
-
-
-def addition_prompt(a: int, b: int) -> str:
-    return f"{a}+{b}="
-
-
-def addition_reward(prompts, completions):
-    """The demo's verifiable reward: 1 for the exact sum, else 0 (setup() also requires the EOS)."""
-    pairs = (prompt.rstrip("=").split("+") for prompt in prompts)
-    return [1.0 if c.strip() == str(int(a) + int(b)) else 0.0 for (a, b), c in zip(pairs, completions)]
-
-
-def load_prompts(path: str):
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.readlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise SystemExit(f"--prompts {path}: cannot read it as UTF-8 text ({e})")
-    prompts = []
-    for n, line in enumerate(lines, 1):
-        if line.strip():
-            try:
-                prompts.append(str(json.loads(line)["prompt"]))
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise SystemExit(f"--prompts {path}: line {n} is not a JSON object with a 'prompt' field ({e})")
-    if not prompts:
-        raise SystemExit(f"--prompts {path}: the file holds no prompts")
-    return prompts
-
-
-def load_reward_function(spec: str):
-    """'module:function' -> the function; the module is imported from the current directory or sys.path."""
-    module_name, _, fn_name = spec.partition(":")
-    if not module_name or not fn_name:
-        raise SystemExit(f"--reward {spec!r}: expected 'module:function', e.g. my_rewards:score")
-    sys.path.insert(0, os.getcwd())
-    try:
-        return getattr(importlib.import_module(module_name), fn_name)
-    except (ImportError, AttributeError) as e:
-        raise SystemExit(f"--reward {spec!r}: cannot load it ({e})")
-
-
-def format_prompts(tokenizer, texts, use_chat_template: bool, max_prompt_length: int, long_prompts="truncate"):
-    """Token ids per prompt: in the tokenizer's chat template (with the generation prompt) when it has one and
-    --chat-template is on, else the plain text with the tokenizer's own special tokens. Long prompts keep their
-    last tokens (the question is usually at the end; the number cut is printed), or are refused."""
-    if use_chat_template and getattr(tokenizer, "chat_template", None):
-        texts = [tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
-                                               add_generation_prompt=True) for t in texts]
-        ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
-    else:
-        ids = tokenizer(texts)["input_ids"]
-    cut = [i for i, x in enumerate(ids) if len(x) > max_prompt_length]
-    if cut and long_prompts == "refuse":
-        raise SystemExit(f"{len(cut)} of {len(ids)} prompts are longer than --max-prompt-length {max_prompt_length} "
-                         f"tokens (the first is prompt {cut[0] + 1}); raise it, or pass --long-prompts truncate")
-    if cut:
-        print(f"warning: {len(cut)} of {len(ids)} prompts are longer than --max-prompt-length {max_prompt_length} "
-              "tokens and keep only their last tokens")
-    return [x[-max_prompt_length:] for x in ids]
-
-
-def left_pad(seqs, pad_id: int, device):
-    """Lists of ids -> (ids, mask), each (B, P), padded on the left so every prompt ends at the same column and the
-    first sampled token of every row goes to column P."""
-    P = max(len(s) for s in seqs)
-    ids = torch.tensor([[pad_id] * (P - len(s)) + list(s) for s in seqs], dtype=torch.long, device=device)
-    return ids, torch.tensor([[0] * (P - len(s)) + [1] * len(s) for s in seqs], dtype=torch.long, device=device)
-
-
-def prompt_order(n: int, seed: int, start: int = 0):
-    """Endless epochs over n prompts (their indices), each epoch in a fresh random order from its own generator;
-    start: skip that many (a resumed run continues the same order where its checkpoint left it)."""
-    def epochs():
-        generator = torch.Generator().manual_seed(seed)
-        while True:
-            yield from reversed(torch.randperm(n, generator=generator).tolist())
-    return itertools.islice(epochs(), start, None)
-
-
-def positions(mask):  # (B, L) -> (B, L): position ids that count real tokens only, right under left padding
-    return (mask.cumsum(-1) - 1).clamp(min=0)
-
-
-@torch.no_grad()
-def reward_model_scores(reward_model, rm_tokenizer, policy_tokenizer, batch, use_chat_template, micro_batch_size):
-    """Score each (prompt, completion) with the reward model at its last real token. Same tokenizer: feed the rollout's
-    own tokens. Different tokenizer: decode, re-template and re-tokenize for the reward model."""
-    if same_vocabulary(rm_tokenizer, policy_tokenizer):
-        ids, mask, _ = full_sequence(batch)
-    else:
-        if use_chat_template and getattr(rm_tokenizer, "chat_template", None):
-            # a completion cut at --response-length stays an open assistant turn: no end-of-turn after it
-            chats = [[{"role": "user", "content": p}, {"role": "assistant", "content": c}]
-                     for p, c in zip(batch.prompts, batch.completions)]
-            texts = [chat_text(rm_tokenizer, chat, ended) for chat, ended in zip(chats, batch.ended.tolist())]
-            seqs = rm_tokenizer(texts, add_special_tokens=False)["input_ids"]
-        else:
-            eos = [(rm_tokenizer.eos_token or "") if e else "" for e in batch.ended.tolist()]  # scored at the EOS, as above
-            seqs = rm_tokenizer([p + c + e for p, c, e in zip(batch.prompts, batch.completions, eos)])["input_ids"]
-        ids, mask = left_pad(seqs, rm_tokenizer.pad_token_id or 0, batch.response.device)
-    last = (mask * torch.arange(mask.shape[1], device=mask.device)).argmax(-1)  # (B,) last real column
-    scores = []
-    for rows in torch.arange(ids.shape[0], device=ids.device).split(micro_batch_size):
-        out = reward_model(ids[rows], mask[rows], positions(mask[rows]))  # (b, L)
-        scores.append(out.gather(1, last[rows, None]).squeeze(1))
-    return torch.cat(scores)
-
-
-def chat_text(tokenizer, chat, ended: bool) -> str:  # a finished assistant turn, or an open one (no end-of-turn)
-    try:
-        return tokenizer.apply_chat_template(chat, tokenize=False, continue_final_message=not ended)
-    except ValueError:  # a template that rewrites the assistant text (drops a <think> part): it cannot stay open
-        return tokenizer.apply_chat_template(chat, tokenize=False)
-
-
-def call_reward_function(fn, prompts, completions, device):
-    """A user's reward function, checked: one number per completion, or a clear error."""
-    try:
-        scores = fn(prompts, completions)
-    except Exception as e:
-        raise SystemExit(f"the reward function raised {type(e).__name__}: {e}")
-    try:
-        scores = [float(s) for s in scores]
-    except (TypeError, ValueError) as e:
-        raise SystemExit(f"the reward function must return a list of numbers ({e})")
-    if len(scores) != len(completions):
-        raise SystemExit(f"the reward function returned {len(scores)} scores for {len(completions)} completions")
-    return torch.tensor(scores, dtype=torch.float32, device=device)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# rollout
+# THE ALGORITHM, in the order it runs: the rollout, scoring, advantages, the losses, the update and the loop.
+# Everything after the marker further down (set-up, models, prompts and rewards, the demo, the overlapped loop's
+# machinery, logging, checkpoints, distributed helpers, benchmarks, the CLI) is plumbing it calls by name.
+#
+# rollout: the policy samples a completion per prompt with its own KV-cache loop
 
 
 @dataclass
@@ -651,6 +170,10 @@ class Rollout:
     def rows(self, index):  # the sub-batch of rows `index` (a LongTensor); tensor fields only
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         return Rollout(**{k: v[index] if isinstance(v, torch.Tensor) else None for k, v in values.items()})
+
+
+def positions(mask):  # (B, L) -> (B, L): position ids that count real tokens only, right under left padding
+    return (mask.cumsum(-1) - 1).clamp(min=0)
 
 
 def truncate_logits(scaled_logits, top_k: int, top_p: float):
@@ -697,57 +220,6 @@ class PlainDecoder:
                          **self.keep)
         self.cache[self.cache_kwarg] = out.cache if self.cache_kwarg == "cache" else out.past_key_values
         return out.logits[:, -1]
-
-
-def agrees_with_plain_loop(decoder, model, batch_size: int):  # raises if decoder's logits are not the plain loop's
-    ids = torch.randint(0, model.config.vocab_size, (batch_size, 3), device=model.device)
-    mask = torch.ones_like(ids)
-    mask[0, 0] = 0  # a left pad
-    outputs = [[d.start(ids, mask, positions(mask)), d.step(ids[:, 1]).clone(), d.step(ids[:, 2])]
-               for d in (decoder, PlainDecoder(model))]
-    for a, b in zip(*outputs):  # fp32: log-probs within 1e-3; bf16 (one rounding step can be 0.25): distributions
-        a, b = torch.log_softmax(a.float(), -1), torch.log_softmax(b.float(), -1)  # within 0.02 total variation
-        diff = (a - b).abs().max() if model.dtype == torch.float32 else 0.5 * (a.exp() - b.exp()).abs().sum(-1).max()
-        if diff > (1e-3 if model.dtype == torch.float32 else 0.02):
-            raise ValueError(f"its next-token distributions differ from the plain loop's by {float(diff):.3g}")
-
-
-@torch.no_grad()
-def fast_decoder(model, batch_size: int, max_len: int, compiled=False, threads=0):
-    """A StaticDecoder for model, with a CUDA graph on GPU, when it gives the plain loop's logits on a test batch;
-    else a PlainDecoder (or no graph), with a message that says why. compiled: its prefill and decode step go through
-    torch.compile (dynamic shapes for the prompt length, static for the step), compiled here under `threads`
-    intra-op threads (0 = as now), the number the sampler runs with: the compiled code is specialised to it."""
-    name = type(model).__name__
-    try:
-        decoder = StaticDecoder(model, batch_size, max(max_len, 5))  # (the check and capture() write 5 columns)
-        agrees_with_plain_loop(decoder, model, batch_size)
-    except Exception as e:  # a model family the fast path does not support: sample with the plain loop
-        fall_back(f"fast sampler off for {name} ({str(e).splitlines()[0][:200]}); using the plain decode loop")
-        return PlainDecoder(model)
-    if compiled:
-        t0, now = time.perf_counter(), torch.get_num_threads()
-        print(f"compiling the sampler ({name}, {batch_size} rows) with torch.compile ...", flush=True)
-        try:
-            torch.set_num_threads(threads or now)
-            decoder.prefill, decoder.decode = torch.compile(model, dynamic=True), torch.compile(model, dynamic=False)
-            agrees_with_plain_loop(decoder, model, batch_size)  # compiles both, then checks them
-            print(f"compiled in {time.perf_counter() - t0:.0f} s")
-        except Exception as e:  # e.g. no C++ compiler on a CPU machine, or an op inductor does not support
-            decoder.prefill = decoder.decode = model
-            fall_back(f"torch.compile off for the sampler ({str(e).splitlines()[0][:200]}); the static cache decodes "
-                      "eagerly")
-        finally:
-            torch.set_num_threads(now)
-    if model.device.type == "cuda":
-        try:
-            decoder.capture()
-            agrees_with_plain_loop(decoder, model, batch_size)
-        except Exception as e:  # e.g. a host sync inside the model's forward (dynamic RoPE)
-            torch.cuda.synchronize()
-            decoder.graph = None
-            fall_back(f"CUDA graph off for {name} ({str(e).splitlines()[0][:200]}); the static cache decodes eagerly")
-    return decoder
 
 
 @torch.no_grad()
@@ -798,7 +270,119 @@ def decode_completions(tokenizer, batch: Rollout):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# scoring and advantages
+# scoring: log-probs (the policy, the reference), values (the critic), on padded or packed rows
+
+
+def sequence_logprobs(model, input_ids, attention_mask, position_ids, response, response_mask, temperature,
+                      kept_ids=None, full_logits=False, layout=None, vocab=None):
+    """THE token log-prob function: log pi(response_t | context) under temperature, and the entropy, for the response
+    that starts at column P = input_ids.shape[1] - response.shape[1]. The hidden state at column P-1+t predicts
+    response token t. Returns (logprobs, entropy), each (B, T) float32 and exactly 0 on masked (pad) tokens.
+    layout: the inputs are one packed row (pack_sequences); the hidden states at layout["predict"] predict the real
+    response tokens, in row-major order. vocab: the distribution is over ids < vocab only, as generate samples it."""
+    mask = response_mask.bool()
+    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+    if layout is None:  # (B, T, H) hidden states and what they predict
+        select, targets, kept, target_mask = (lambda h: h[:, input_ids.shape[1] - response.shape[1] - 1:-1]), response, kept_ids, mask
+    else:  # (1, n, H): the n real response tokens only
+        inputs["packed_layout"], targets, target_mask = layout, response[mask][None], None
+        select, kept = (lambda h: h[:, layout["predict"]]), (None if kept_ids is None else kept_ids[mask][None])
+    # fused path when logits are exactly hidden @ W.T (setup checks it: fused_head_agrees): never holds the
+    # [tokens, vocab] logits, see kernels.linear_token_logprobs
+    head = getattr(model, "lm_head", None)
+    if not full_logits and isinstance(head, nn.Linear) and head.bias is None:
+        hidden = select(backbone_of(model)(**inputs).last_hidden_state)
+        with torch.autocast(hidden.device.type, enabled=False):  # --bf16: the head stays fp32 (logits in fp32)
+            out = linear_token_logprobs(hidden.to(head.weight.dtype), head.weight[:vocab], targets, temperature,
+                                        mask=target_mask, kept_ids=kept)
+    else:
+        logits = select(model(**inputs).logits)[..., :vocab]
+        out = token_logprobs(logits, targets, temperature, mask=target_mask, kept_ids=kept)
+    return out if layout is None else tuple(torch.zeros_like(mask, dtype=o.dtype).masked_scatter(mask, o[0]) for o in out)
+
+
+class Actor(nn.Module):
+    """sequence_logprobs of a policy as one module forward, so DDP and FSDP2 see the whole computation: the fused
+    path reads lm_head.weight directly, which only the forward of the module they wrap syncs (DDP) or gathers (FSDP2)."""
+
+    def __init__(self, policy, temperature: float, full_logits=False, vocab=None):
+        super().__init__()
+        self.policy, self.temperature, self.full_logits, self.vocab = policy, temperature, full_logits, vocab
+
+    def forward(self, input_ids, attention_mask, position_ids, response, response_mask, kept_ids=None, layout=None):
+        return sequence_logprobs(self.policy, input_ids, attention_mask, position_ids, response, response_mask,
+                                 self.temperature, kept_ids, self.full_logits, layout, self.vocab)
+
+
+def full_sequence(batch: Rollout):  # prompt + response as one left-padded sequence, its mask and position ids
+    attention_mask = torch.cat([batch.prompt_mask, batch.response_mask], 1)  # (B, P+T)
+    # id 0 on the pads, which no real position sees: our pad id lies outside the embedding of a reward model (and of
+    # the critic copied from it) that shares the policy's vocabulary
+    input_ids = torch.cat([batch.prompt_ids, batch.response], 1).masked_fill(attention_mask == 0, 0)  # (B, P+T)
+    return input_ids, attention_mask, positions(attention_mask)
+
+
+def model_inputs(batch: Rollout, cfg: Config):  # (input_ids, attention_mask, position_ids, packed layout or None)
+    return packed_inputs(batch) if cfg.micro_batch_tokens else (*full_sequence(batch), None)
+
+
+def packed_inputs(batch: Rollout):  # the fast path of model_inputs: the batch's real tokens as one row (kernels.py)
+    input_ids, attention_mask, _ = full_sequence(batch)
+    return pack_sequences(input_ids, attention_mask, batch.prompt_mask.sum(1), batch.response_mask)
+
+
+def rollout_logprobs(model, batch: Rollout, cfg: Config, inputs=None):  # (logprobs, entropy), (B, T) each
+    """Of a batch's responses; inputs: model_inputs(batch, cfg) when the caller already has them (for the critic)."""
+    actor = model if isinstance(getattr(model, "module", model), Actor) else Actor(model, cfg.temperature, cfg.full_logits)
+    *inputs, layout = inputs or model_inputs(batch, cfg)
+    return actor(*inputs, batch.response, batch.response_mask, batch.kept_ids, layout)
+
+
+def critic_values(critic, batch: Rollout, inputs=None):  # (B, T): V(state before response token t), column P-1+t
+    mask = batch.response_mask.bool()  # inputs: model_inputs(batch, cfg); None = padded
+    *inputs, layout = inputs or (*full_sequence(batch), None)
+    if layout is not None:
+        values = critic(*inputs, packed_layout=layout)[0, layout["predict"]]  # (n,)
+        return torch.zeros_like(mask, dtype=values.dtype).masked_scatter(mask, values)
+    values = critic(*inputs)[:, batch.prompt_ids.shape[1] - 1:-1]
+    return torch.where(mask, values, 0.0)
+
+
+def micro_batch_rows(batch: Rollout, minibatches, cfg: Config, ranks_agree=False):
+    """Each minibatch's rows split into micro-batches: --micro-batch-size rows each, or with --micro-batch-tokens the
+    token_budget_bins of its rows. ranks_agree: as many micro-batches per minibatch on every rank (one collective)."""
+    if not cfg.micro_batch_tokens:
+        return [list(rows.split(cfg.micro_batch_size or len(rows))) for rows in minibatches]
+    lengths = (batch.prompt_mask.sum(1) + batch.response_mask.sum(1)).tolist()
+    groups = [token_budget_bins([lengths[r] for r in rows.tolist()], cfg.micro_batch_tokens) for rows in minibatches]
+    counts = torch.tensor([len(g) for g in groups], device=batch.response.device)
+    counts = all_reduce(counts, "max").tolist() if ranks_agree else counts.tolist()
+    groups = [token_budget_bins([lengths[r] for r in rows.tolist()], cfg.micro_batch_tokens, n) if n > len(g) else g
+              for rows, g, n in zip(minibatches, groups, counts)]
+    return [[rows[torch.tensor(g, device=rows.device)] for g in gs] for rows, gs in zip(minibatches, groups)]
+
+
+def micro_batches(batch: Rollout, cfg: Config, row_order=None, ranks_agree=False):  # (rows, sub-batch) pairs
+    B = batch.response.shape[0]
+    row_order = torch.arange(B) if row_order is None else row_order
+    minibatches = row_order.to(batch.response.device).split(B // cfg.minibatches)
+    for rows in itertools.chain(*micro_batch_rows(batch, minibatches, cfg, ranks_agree)):
+        yield rows, batch.rows(rows)
+
+
+@torch.no_grad()
+def score_frozen(batch: Rollout, reference, reward_fn, cfg: Config):
+    """The sampler side of scoring: reference log-probs and sequence scores need no trainer weights, so in the
+    overlapped loop they run in the producer thread (on the sampler's CUDA stream), hidden behind the update."""
+    batch.ref_logprobs = torch.zeros_like(batch.behav_logprobs)
+    for rows, mb in micro_batches(batch, cfg):
+        batch.ref_logprobs[rows] = rollout_logprobs(reference, mb, cfg)[0]
+    batch.raw_scores = reward_fn(batch)  # (B,)
+    batch.scores = batch.raw_scores - cfg.missing_eos_penalty * (~batch.ended).float()  # N+: penalise runs without EOS
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# advantages: the KL in the reward, GAE, whitening, the decoupled-PPO importance weights
 
 
 def masked_mean(x, mask, denom=None):  # mean of x over mask == 1 (or sum / denom); NaN-safe outside the mask
@@ -844,73 +428,6 @@ def gae(rewards, values, response_mask, gamma: float, lam: float):
         delta = rewards[:, t] + gamma * values[:, t + 1] - values[:, t]
         advantages[:, t] = last_gae = torch.where(mask[:, t], delta + gamma * lam * last_gae, 0.0)
     return advantages, torch.where(mask, advantages + values[:, :T], 0.0)
-
-
-def model_inputs(batch: Rollout, cfg: Config):  # (input_ids, attention_mask, position_ids, packed layout or None)
-    return packed_inputs(batch) if cfg.micro_batch_tokens else (*full_sequence(batch), None)
-
-
-def packed_inputs(batch: Rollout):  # the fast path of model_inputs: the batch's real tokens as one row (kernels.py)
-    input_ids, attention_mask, _ = full_sequence(batch)
-    return pack_sequences(input_ids, attention_mask, batch.prompt_mask.sum(1), batch.response_mask)
-
-
-def rollout_logprobs(model, batch: Rollout, cfg: Config, inputs=None):  # (logprobs, entropy), (B, T) each
-    """Of a batch's responses; inputs: model_inputs(batch, cfg) when the caller already has them (for the critic)."""
-    actor = model if isinstance(getattr(model, "module", model), Actor) else Actor(model, cfg.temperature, cfg.full_logits)
-    *inputs, layout = inputs or model_inputs(batch, cfg)
-    return actor(*inputs, batch.response, batch.response_mask, batch.kept_ids, layout)
-
-
-def full_sequence(batch: Rollout):  # prompt + response as one left-padded sequence, its mask and position ids
-    attention_mask = torch.cat([batch.prompt_mask, batch.response_mask], 1)  # (B, P+T)
-    # id 0 on the pads, which no real position sees: our pad id lies outside the embedding of a reward model (and of
-    # the critic copied from it) that shares the policy's vocabulary
-    input_ids = torch.cat([batch.prompt_ids, batch.response], 1).masked_fill(attention_mask == 0, 0)  # (B, P+T)
-    return input_ids, attention_mask, positions(attention_mask)
-
-
-def critic_values(critic, batch: Rollout, inputs=None):  # (B, T): V(state before response token t), column P-1+t
-    mask = batch.response_mask.bool()  # inputs: model_inputs(batch, cfg); None = padded
-    *inputs, layout = inputs or (*full_sequence(batch), None)
-    if layout is not None:
-        values = critic(*inputs, packed_layout=layout)[0, layout["predict"]]  # (n,)
-        return torch.zeros_like(mask, dtype=values.dtype).masked_scatter(mask, values)
-    values = critic(*inputs)[:, batch.prompt_ids.shape[1] - 1:-1]
-    return torch.where(mask, values, 0.0)
-
-
-def micro_batch_rows(batch: Rollout, minibatches, cfg: Config, ranks_agree=False):
-    """Each minibatch's rows split into micro-batches: --micro-batch-size rows each, or with --micro-batch-tokens the
-    token_budget_bins of its rows. ranks_agree: as many micro-batches per minibatch on every rank (one collective)."""
-    if not cfg.micro_batch_tokens:
-        return [list(rows.split(cfg.micro_batch_size or len(rows))) for rows in minibatches]
-    lengths = (batch.prompt_mask.sum(1) + batch.response_mask.sum(1)).tolist()
-    groups = [token_budget_bins([lengths[r] for r in rows.tolist()], cfg.micro_batch_tokens) for rows in minibatches]
-    counts = torch.tensor([len(g) for g in groups], device=batch.response.device)
-    counts = all_reduce(counts, "max").tolist() if ranks_agree else counts.tolist()
-    groups = [token_budget_bins([lengths[r] for r in rows.tolist()], cfg.micro_batch_tokens, n) if n > len(g) else g
-              for rows, g, n in zip(minibatches, groups, counts)]
-    return [[rows[torch.tensor(g, device=rows.device)] for g in gs] for rows, gs in zip(minibatches, groups)]
-
-
-def micro_batches(batch: Rollout, cfg: Config, row_order=None, ranks_agree=False):  # (rows, sub-batch) pairs
-    B = batch.response.shape[0]
-    row_order = torch.arange(B) if row_order is None else row_order
-    minibatches = row_order.to(batch.response.device).split(B // cfg.minibatches)
-    for rows in itertools.chain(*micro_batch_rows(batch, minibatches, cfg, ranks_agree)):
-        yield rows, batch.rows(rows)
-
-
-@torch.no_grad()
-def score_frozen(batch: Rollout, reference, reward_fn, cfg: Config):
-    """The sampler side of scoring: reference log-probs and sequence scores need no trainer weights, so in the
-    overlapped loop they run in the producer thread (on the sampler's CUDA stream), hidden behind the update."""
-    batch.ref_logprobs = torch.zeros_like(batch.behav_logprobs)
-    for rows, mb in micro_batches(batch, cfg):
-        batch.ref_logprobs[rows] = rollout_logprobs(reference, mb, cfg)[0]
-    batch.raw_scores = reward_fn(batch)  # (B,)
-    batch.scores = batch.raw_scores - cfg.missing_eos_penalty * (~batch.ended).float()  # N+: penalise runs without EOS
 
 
 @torch.no_grad()
@@ -1068,12 +585,711 @@ def ppo_update(policy, critic, policy_opt, critic_opt, batch: Rollout, cfg: Conf
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# the built-in demo: supervised warm-up and held-out evaluation
+# the loop
+
+
+def train(cfg: Config, run, output_dir: str, threaded=None, ctx: Dist = Dist()):
+    """The loop: the producer samples and scores with the frozen models, the trainer scores with the current weights
+    and updates. threaded=None: a sampler thread iff --max-staleness > 0 or --inflight-updates (at staleness 0 the
+    thread gives the inline loop's result to the bit). A --resume at staleness 0 ends at the uninterrupted run's
+    weights: prompt order, generators, optimizers and schedules all resume exactly."""
+    policy, tokenizer, device = run.policy, run.tokenizer, run.policy.device
+    sampler_dtype = torch.bfloat16 if device.type == "cuda" else policy.dtype  # inference copy: bf16 on GPU
+    sampler = cast_parameters(copy.deepcopy(policy), sampler_dtype).requires_grad_(False)
+    sharded = cfg.fsdp and torch.distributed.is_initialized()
+    # FSDP2: the demo evaluates a full copy of its own, not the sampler, which its thread uses and updates
+    evaluator = copy.deepcopy(sampler) if sharded and run.eval_ids is not None and ctx.rank == 0 else None
+    sync = WeightSync(policy, sampler, sharded)  # packs the weights
+    if evaluator is not None:  # its parameters become views of the published weights, which only this thread writes
+        torch.nn.utils.vector_to_parameters(sync.staging, evaluator.parameters())
+    for model in (policy, run.critic) if cfg.gradient_checkpointing else ():  # (not the sampler copy, made above)
+        checkpoint_layers(model)
+    if cfg.bf16:
+        fp32_head(policy)
+    actor = wrap_for_training(Actor(policy, cfg.temperature, cfg.full_logits, run.vocab), cfg)
+    critic = wrap_for_training(run.critic, cfg)
+    policy_opt, critic_opt, schedules = make_optimizers(cfg, actor, critic)
+    # the same prompt order on every rank, each taking its slice; sampling differs per rank (a seed offset)
+    rank_rows = slice(ctx.rank * cfg.batch_size // ctx.world, (ctx.rank + 1) * cfg.batch_size // ctx.world)
+    sample_generator = torch.Generator(device).manual_seed(cfg.seed + 1_000_003 * ctx.rank)
+    shuffle_generator = torch.Generator().manual_seed(cfg.seed + 1)
+    eval_seed = cfg.seed + 2
+    start, history, first_accuracy, last_checkpoint, elapsed = 0, [], None, None, 0.0
+    if cfg.resume:
+        state = load_checkpoint(cfg.resume, actor, critic, (policy_opt, critic_opt), schedules, ctx)
+        start, first_accuracy, elapsed, last_checkpoint = state["step"], state["first_accuracy"], state["time_s"], cfg.resume
+        sample_generator.set_state(state["sampler_rng"])
+        shuffle_generator.set_state(state["shuffle_rng"])
+        history = restore_metrics(output_dir, start) if ctx.rank == 0 else []
+        for newer in [c for c in checkpoints(output_dir) if c > cfg.resume] if ctx.rank == 0 else []:  # step-N sorts
+            os.replace(newer, os.path.join(os.path.dirname(newer), f".abandoned-{os.path.basename(newer)}-{time.strftime('%Y%m%d-%H%M%S')}"))
+            print(f"resume: set aside {newer}, newer than the checkpoint resumed from (now .abandoned-*)")
+        print(f"resumed from {cfg.resume} after iteration {start}/{cfg.steps}")
+    sync.publish(start)  # the sampler starts from the trainer's (maybe just loaded) weights, as version `start`
+    sync.pull()
+    if ctx.rank == 0:
+        write_json(dataclasses.asdict(cfg), os.path.join(output_dir, "config.json"))  # the config actually used
+    logger, tracer = Logger(cfg, output_dir, enabled=ctx.rank == 0), Tracer(cfg.trace if ctx.rank == 0 else "")
+    order = prompt_order(len(run.prompt_ids), cfg.seed, start=start * cfg.batch_size)
+    longest = max(map(len, run.prompt_ids)) + cfg.response_length
+    threaded = (cfg.max_staleness > 0 or cfg.inflight_updates) if threaded is None else threaded
+    decoder = fast_decoder(sampler, rank_rows.stop - rank_rows.start, longest, cfg.compile_sampler,
+                           threads=1 if threaded and sampler.device.type == "cpu" else 0) if cfg.static_cache else sampler
+
+    def make_batch(i, stop):  # the producer: sample batch i, score it with the frozen models
+        def between_steps():  # between decode steps: stop promptly on shutdown; take new weights if in-flight
+            if stop.is_set():
+                raise InterruptedError("the run is stopping")
+            return sync.pull() if cfg.inflight_updates else version
+
+        with tracer.span("generate", "sampler"):
+            t0, version = time.perf_counter(), sync.pull()
+            rows = [next(order) for _ in range(cfg.batch_size)][rank_rows]
+            ids, mask = left_pad([run.prompt_ids[r] for r in rows], tokenizer.pad_token_id, device)
+            batch = generate(decoder, ids, mask, **sampling_args(cfg, run), generator=sample_generator,
+                             policy_version=version, between_steps=between_steps)
+            batch.prompts, batch.completions = [run.prompt_texts[r] for r in rows], decode_completions(tokenizer, batch)
+            batch.gen_s, batch.sampler_rng = time.perf_counter() - t0, sample_generator.get_state()  # (for a checkpoint)
+        with tracer.span("score: reference, reward", "sampler"):
+            score_frozen(batch, run.reference, run.reward_fn, cfg)
+            if device.type == "cuda":
+                torch.cuda.current_stream().synchronize()  # the batch is complete before the trainer's stream reads it
+        return batch
+
+    def checkpoint(step, batch):
+        state = {"step": step, "first_accuracy": first_accuracy, "time_s": time.time() - t_start,
+                 "shuffle_rng": shuffle_generator.get_state(), "schedules": [s.state_dict() for s in schedules]}
+        path = save_checkpoint(output_dir, step, actor, critic, (policy_opt, critic_opt), tokenizer, state,
+                               {"sampler_rng": batch.sampler_rng}, cfg, ctx)
+        print(f"checkpoint: {path}", flush=True)
+        return path
+
+    def evaluate_now():  # the demo's held-out accuracy of the trainer's current (last published) weights
+        return evaluate(evaluator or policy, tokenizer, run.eval_ids, run.eval_texts, cfg, eval_seed)
+
+    stop_signal = []  # the first SIGINT/SIGTERM ends the run after the current iteration, with a checkpoint
+
+    def on_signal(signum, frame):
+        if stop_signal:
+            raise KeyboardInterrupt  # a second one: abandon the iteration now
+        stop_signal.append(signal.Signals(signum).name)
+        print(f"\n{stop_signal[0]}: finishing this iteration, then a checkpoint (send it again to abandon)", flush=True)
+
+    in_main = threading.current_thread() is threading.main_thread()
+    handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)} if in_main else {}
+    producer, bad_steps = None, 0
+    try:
+        if run.eval_ids is not None and not cfg.resume and ctx.rank == 0:
+            first_accuracy = evaluate_now()
+            logger.log({"step": 0, "eval_accuracy": first_accuracy, "time_s": 0.0})
+            print(f"held-out sampled accuracy before PPO: {first_accuracy:.3f}")
+        producer = Producer(make_batch, sync, tracer, cfg.max_staleness, start, cfg.steps, threaded)
+        window = time.time()  # an iteration's window: from the end of the last one to the end of this one
+        t_start = window - elapsed
+        tracer.take()
+        for step in range(start + 1, cfg.steps + 1):
+            batch = producer.get()
+            with tracer.span("score: old log-probs, values", "trainer"):
+                B = batch.response.shape[0]  # this rank's rows
+                row_orders = [torch.randperm(B, generator=shuffle_generator) for _ in range(cfg.ppo_epochs)]
+                kl = score_trainer(batch, actor, critic, cfg, row_orders[0], version=step - 1)
+                for model in (actor, critic):  # FSDP2: a no-grad forward leaves the root's weights gathered
+                    getattr(model, "reshard", lambda: None)()
+                problem = nonfinite(batch)
+                if any_rank(problem is not None, device) and torch.distributed.is_initialized():  # decided together
+                    problems = [None] * ctx.world
+                    torch.distributed.all_gather_object(problems, problem)
+                    problem = "; ".join(f"rank {r}: {p}" for r, p in enumerate(problems) if p)
+            with tracer.span("update", "trainer"):
+                t_update = time.time()
+                lr = schedules[0].get_last_lr()[0]  # the learning rate this update uses
+                stats = ppo_update(actor, critic, policy_opt, critic_opt, batch, cfg, row_orders) if problem is None else {}
+                problem = problem or stats.get("nonfinite")
+                for schedule in schedules:
+                    schedule.step()
+                update_s = time.time() - t_update
+            with tracer.span("publish weights", "trainer"):
+                sync.publish(step)
+                sync_ms = sync.sync_ms()
+            if problem is not None:  # the non-finite guard: this update is skipped, the weights stay finite
+                bad_steps += 1
+                logger.log({"step": step, "skipped_update": f"non-finite {problem}", "time_s": time.time() - t_start})
+                print(f"it {step:>4}/{cfg.steps} | update skipped: non-finite {problem} | "
+                      f"{bad_steps}/{cfg.max_bad_steps} in a row", flush=True)
+                if bad_steps >= cfg.max_bad_steps:
+                    raise SystemExit(f"stopping: {bad_steps} consecutive updates skipped for non-finite values (last: "
+                                     f"{problem}); the last good checkpoint is {last_checkpoint or 'none (--save-every 0)'}")
+            else:
+                bad_steps = 0
+                accuracy = None
+                if run.eval_ids is not None and (step % cfg.eval_every == 0 or step == cfg.steps) and ctx.rank == 0:
+                    with tracer.span("evaluate", "trainer"):
+                        accuracy = evaluate_now()
+                now = time.time()
+                record = reduce_record(iteration_record(step, batch, kl, stats, cfg, now - window, batch.gen_s, update_s,
+                                                        tracer.take(), sync_ms, lr), ctx.world)
+                window, record["time_s"] = now, now - t_start
+                record.update({} if accuracy is None else {"eval_accuracy": accuracy})  # rank 0's, after the reduction
+                logger.log(record)
+                history.append(record)
+                print(format_line(record, cfg.steps), flush=True)
+                if cfg.sample_every and (step % cfg.sample_every == 0 or step == 1):
+                    for p, c, s in zip(batch.prompts[:3], batch.completions[:3], batch.scores[:3].tolist()):
+                        print(f"    {p!r} -> {c!r}  (score {s:.2f})")
+                if cfg.save_every and (step % cfg.save_every == 0 or step == cfg.steps):
+                    last_checkpoint = checkpoint(step, batch)
+            if any_rank(bool(stop_signal), device):  # every rank stops after the same iteration
+                if not str(last_checkpoint).endswith(f"step-{step:08d}"):  # (not just written by --save-every)
+                    last_checkpoint = checkpoint(step, batch)
+                stop_signal = stop_signal or ["a signal to another rank"]
+                print(f"stopped by {stop_signal[0]} after iteration {step}/{cfg.steps}; continue with: "
+                      f"{'python' if ctx.world == 1 else f'torchrun --nproc_per_node {ctx.world}'} ppo_tokens.py --resume "
+                      f"{last_checkpoint}")
+                return history
+    finally:
+        if producer is not None:
+            producer.close()
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
+        tracer.write()
+        logger.close()
+    policy_state = {k.removeprefix("policy."): v for k, v in full_state(actor).items()}
+    if ctx.rank == 0:
+        save_policy(policy, tokenizer, os.path.join(output_dir, "policy"), policy_state)
+    if torch.distributed.is_initialized():  # DDP must keep the ranks' weights identical: check it, bit for bit
+        digests = [None] * ctx.world
+        digest = hashlib.sha256()
+        for chunk in sync.staging.split(1 << 26):  # 64M values at a time: no full host copy, no cast
+            digest.update(chunk.view(torch.uint8).cpu().numpy().tobytes())
+        torch.distributed.all_gather_object(digests, digest.hexdigest()[:16])
+        print(f"actor weights (sha256 of the gathered weights) on each rank: {' '.join(digests)}")
+        if len(set(digests)) > 1:
+            raise SystemExit(f"the ranks' actor weights differ ({digests}); the data-parallel update is broken")
+    summarize(history, first_accuracy, output_dir)
+    return history
+
+
+def iteration_record(step, batch: Rollout, kl, stats, cfg: Config, iter_s, gen_s, update_s, busy, sync_ms, lr):
+    response_tokens = int(batch.response_mask.sum())
+    sequence_tokens = response_tokens + int(batch.prompt_mask.sum())
+    trainer_busy, sampler_busy = busy.get("trainer_busy_s", 0.0), busy.get("sampler_busy_s", 0.0)
+    return {"step": step, "reward_mean": float(batch.raw_scores.mean()),
+            "kl": float(kl.sum(-1).mean()), "kl_per_token": float(masked_mean(kl, batch.response_mask)), **stats,
+            "explained_variance": float(explained_variance(batch.values, batch.returns, batch.response_mask)),
+            "response_length": response_tokens / batch.response.shape[0], "response_tokens": response_tokens,
+            # the share of a padded (B, P + T) forward that is padding: what --micro-batch-tokens does not compute
+            "padding_frac": 1.0 - sequence_tokens / (batch.response.shape[0] * (batch.prompt_ids.shape[1] + batch.response.shape[1])),
+            "eos_fraction": float(batch.ended.float().mean()), "lr": lr, **batch.correction,
+            "iter_s": iter_s, "gen_tokens_per_s": response_tokens / gen_s,
+            "train_tokens_per_s": cfg.ppo_epochs * sequence_tokens / update_s,
+            "tokens_per_s": response_tokens / iter_s,  # end to end: what the overlap buys
+            **{f"{side}_{what}_s": busy.get(f"{side}_{what}_s", 0.0) for side in ("trainer", "sampler") for what in ("busy", "wait")},
+            "trainer_idle_frac": max(0.0, 1.0 - trainer_busy / iter_s),
+            "overlap_frac": max(0.0, trainer_busy + sampler_busy - iter_s) / iter_s,  # both busy at once
+            "weight_sync_ms": sync_ms}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# ================================================================================================================
+# PLUMBING: everything below is called by the algorithm above.
+# ================================================================================================================
+#
+# set-up and models
+
+
+def setup(cfg: Config, ctx: Dist = Dist()):
+    """Tokenizer, policy (warmed up for the demo), frozen reference, critic, reward function and prompts. Everything
+    that can be checked cheaply (prompts, reward function, model paths, lengths) is, before the warm-up."""
+    name = cfg.device if cfg.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(f"cuda:{ctx.local_rank}" if name == "cuda" else name)  # one GPU per local rank
+    if device.type == "cuda":  # the current device: Triton launches, streams, events and graphs use it
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = cfg.tf32  # fp32 matmuls (trainer, fp32 heads) in TF32: README
+    dtype = getattr(torch, cfg.dtype)
+    torch.manual_seed(cfg.seed)
+    prompt_texts = load_prompts(cfg.prompts) if cfg.prompts else None
+    rule = load_reward_function(cfg.reward) if cfg.reward else addition_reward
+    if cfg.model:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+            policy = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"--model {cfg.model}: cannot load a causal LM and its tokenizer ({str(e).splitlines()[0]})")
+    else:
+        tokenizer = build_demo_tokenizer()
+        policy = build_demo_policy(tokenizer, cfg.seed, cfg.demo_hidden, cfg.demo_layers)
+    if policy.config.model_type in ("rwkv", "xlstm", "recurrent_gemma", "mamba", "falcon_mamba"):
+        raise SystemExit(f"--model {cfg.model}: {policy.config.model_type} is not supported: its recurrent state "
+                         "ignores left padding or its 1-token decode steps (the sampler batches left-padded prompts)")
+    if tokenizer.eos_token_id is None:
+        raise SystemExit(f"the tokenizer of {cfg.model or 'the demo'} has no EOS token; set eos_token in its config")
+    stop_ids = stop_token_ids(tokenizer, policy)
+    vocab = ensure_pad_token(tokenizer, policy, stop_ids)
+    disable_dropout(policy)
+    policy.to(device, torch.float32).eval()  # fp32 master weights (bf16 Adam updates round away); eval: no dropout
+    if not cfg.full_logits and not fused_head_agrees(policy, vocab):
+        fall_back(f"{type(policy).__name__} post-processes its logits (they are not hidden @ lm_head.weight.T): "
+                  "log-probs from its full logits (--full-logits)")
+        cfg.full_logits = True
+    run = dict(tokenizer=tokenizer, policy=policy, eval_ids=None, eval_texts=None, prompt_texts=prompt_texts,
+               stop_ids=stop_ids, vocab=vocab)
+    if not cfg.prompts:
+        # all (a, b) in 0..99 x 0..99, split into training and held-out pairs once: the same split for every --seed
+        pairs = [divmod(i, 100) for i in torch.randperm(10_000, generator=torch.Generator().manual_seed(1234)).tolist()]
+        train_pairs, eval_pairs = pairs[cfg.eval_size:], pairs[:cfg.eval_size]
+        run["prompt_texts"] = [addition_prompt(a, b) for a, b in train_pairs]
+        run["eval_texts"] = [addition_prompt(a, b) for a, b in eval_pairs]
+        run["eval_ids"] = format_prompts(tokenizer, run["eval_texts"], cfg.chat_template, cfg.max_prompt_length)
+    run["prompt_ids"] = format_prompts(tokenizer, run["prompt_texts"], cfg.chat_template, cfg.max_prompt_length,
+                                       cfg.long_prompts)
+    longest, context = max(map(len, run["prompt_ids"])), getattr(policy.config, "max_position_embeddings", None)
+    if context and longest + cfg.response_length > context:
+        raise SystemExit(f"the longest prompt ({longest} tokens) plus --response-length {cfg.response_length} exceeds "
+                         f"the model's context of {context} tokens; lower --max-prompt-length or --response-length")
+    reward_model, same_tokenizer = None, False
+    if cfg.reward_model:
+        reward_model, rm_tokenizer = load_reward_model(cfg.reward_model, device, dtype)
+        same_tokenizer = same_vocabulary(rm_tokenizer, tokenizer)
+        run["reward_fn"] = lambda b: reward_model_scores(reward_model, rm_tokenizer, tokenizer, b, cfg.chat_template,
+                                                         cfg.micro_batch_size or cfg.batch_size // cfg.minibatches // ctx.world)
+    else:
+        demo_rule = not cfg.reward  # the demo's exact match includes the EOS: digits, then stop
+        run["reward_fn"] = lambda b: call_reward_function(rule, b.prompts, b.completions, device) * (b.ended if demo_rule else 1)
+    if not cfg.prompts:
+        if ctx.rank > 0:  # rank 0 warms up and fills the cache first; the other ranks then load it
+            torch.distributed.barrier()
+        demo_warmup(policy, tokenizer, train_pairs, cfg)
+        if ctx.rank == 0 and ctx.world > 1:
+            torch.distributed.barrier()
+    if cfg.micro_batch_tokens:
+        if cfg.micro_batch_tokens < longest + cfg.response_length:
+            raise SystemExit(f"--micro-batch-tokens {cfg.micro_batch_tokens} is less than the longest sequence (a "
+                             f"{longest}-token prompt + --response-length {cfg.response_length}); raise it")
+        use_packed_attention(backbone_of(policy), cfg.bf16)  # before the copies: the reference and sampler inherit it
+    reference = cast_parameters(copy.deepcopy(policy), dtype).requires_grad_(False)
+    run["reference"] = Actor(reference, cfg.temperature, cfg.full_logits, vocab)
+    run["critic"] = build_critic(policy, reward_model, same_tokenizer)
+    if cfg.micro_batch_tokens:  # (a critic from the reward model has its own attention set-up)
+        use_packed_attention(run["critic"].backbone, cfg.bf16)
+    print(f"policy {sum(p.numel() for p in policy.parameters()) / 1e6:.2f}M parameters on {device}; critic from "
+          f"{'the reward model' if reward_model is not None and same_tokenizer else 'the policy, zero-initialised head'}")
+    return dataclasses.make_dataclass("Run", run.keys())(**run)
+
+
+def build_demo_tokenizer():
+    """Character-level tokenizer for the addition demo, as a PreTrainedTokenizerFast (so it is any HF tokenizer)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+    vocab = {t: i for i, t in enumerate(["<pad>", "<bos>", "<eos>", "<unk>", *"0123456789+="])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")  # one token per character
+    tok.decoder = decoders.Fuse()  # join characters back without spaces
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", vocab["<bos>"])])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
+                                   unk_token="<unk>", padding_side="left")
+
+
+def build_demo_policy(tokenizer, seed: int, hidden=128, layers=3):
+    """~0.6M-parameter Llama (hidden 128, 3 layers, 4 heads), the size calibrated in shared/DEMO-CALIBRATION.md."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
+                         num_key_value_heads=4, intermediate_size=hidden * 43 // 16, max_position_embeddings=64,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
+    return LlamaForCausalLM(config)
+
+
+PAD_TOKEN = "<|ppo_tokens_pad|>"
+
+
+def same_vocabulary(a, b) -> bool:  # the pad token we may have added does not count (it is never a real token)
+    return {k: v for k, v in a.get_vocab().items() if k != PAD_TOKEN} == \
+        {k: v for k, v in b.get_vocab().items() if k != PAD_TOKEN}
+
+
+def stop_token_ids(tokenizer, model) -> list:
+    """Every id that ends a completion: the tokenizer's EOS and the generation config's eos_token_id, where chat
+    models name several (Llama 3's <|eot_id|> and <|eom_id|>, Gemma's <end_of_turn>, Qwen's <|im_end|>, ...)."""
+    named = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    return sorted({tokenizer.eos_token_id, *(named if isinstance(named, list) else [named])} - {None})
+
+
+def ensure_pad_token(tokenizer, model, stop_ids=()) -> int:
+    """Give the tokenizer a pad token distinct from every stop id. Masks never come from `ids == pad` here, but a pad
+    equal to EOS is how other code ends up masking the real EOS token out of the loss, so we refuse to share the id.
+    Returns the sampled vocabulary: the ids below it are the tokenizer's own tokens. Our added pad and the model's
+    spare embedding rows lie above it, so no completion can hold them (sampler and scorer both cut the logits there)."""
+    if tokenizer.pad_token_id is None or tokenizer.pad_token_id in (tokenizer.eos_token_id, *stop_ids):
+        tokenizer.add_special_tokens({"pad_token": PAD_TOKEN})
+        if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:  # many vocabularies have spare rows already
+            model.resize_token_embeddings(len(tokenizer))
+        model.config.pad_token_id = tokenizer.pad_token_id
+    vocab = min(len(tokenizer), model.get_output_embeddings().weight.shape[0])
+    return min(vocab, tokenizer.pad_token_id) if tokenizer.pad_token == PAD_TOKEN else vocab
+
+
+def disable_dropout(model: nn.Module):
+    """Dropout makes the scoring pass and the training pass see different networks, so the PPO ratio is not 1 on the
+    first minibatch (N+ detail). Zero every dropout module and every *dropout* probability in the config."""
+    for m in [*model.modules(), getattr(model, "config", None)]:  # HF attention layers read float attributes
+        for key, value in (vars(m).items() if m is not None else ()):
+            if "dropout" in key and isinstance(value, float):
+                setattr(m, key, 0.0)
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+
+
+def backbone_of(model):  # LlamaForCausalLM.model, Qwen2ForSequenceClassification.model, GPT2*.transformer, ...
+    return getattr(model, model.base_model_prefix)
+
+
+class ScalarHeadModel(nn.Module):
+    """A causal-LM backbone with a linear head to one scalar per token: the critic (value of the state before each
+    token) and the reward model (score at the last real token) are both this."""
+
+    def __init__(self, backbone: nn.Module, head: nn.Linear):
+        super().__init__()
+        self.backbone, self.head = backbone, head
+
+    def forward(self, input_ids, attention_mask, position_ids, **packing):  # -> (B, L) float32
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                               use_cache=False, **packing).last_hidden_state
+        with torch.autocast(hidden.device.type, enabled=False):  # --bf16: the value head stays fp32
+            return self.head(hidden.to(self.head.weight.dtype)).squeeze(-1).float()
+
+
+def load_reward_model(path: str, device, dtype):
+    """Returns (ScalarHeadModel, its tokenizer) from an AutoModelForSequenceClassification directory."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    try:
+        model, tokenizer = AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype), AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"--reward-model {path}: cannot load a sequence-classification model and tokenizer ({str(e).splitlines()[0]})")
+    if model.config.num_labels != 1:
+        raise SystemExit(f"--reward-model {path}: num_labels is {model.config.num_labels}; a reward model has 1")
+    head = getattr(model, "score", None)
+    if not isinstance(head, nn.Linear):
+        raise SystemExit(f"--reward-model {path}: no linear `score` head; use a causal-LM reward model "
+                         "(LlamaForSequenceClassification, Qwen2ForSequenceClassification, ...)")
+    rm = ScalarHeadModel(backbone_of(model), head)
+    disable_dropout(rm)
+    return rm.to(device).eval().requires_grad_(False), tokenizer
+
+
+def build_critic(policy, reward_model=None, same_tokenizer=False):
+    """Critic = a copy of the reward model when its tokenizer is the policy's (N+ detail: the value head starts from
+    the reward head, which already predicts the final score), else a copy of the policy's backbone with a
+    zero-initialised head, so the first advantages are just the rewards instead of noise from a random head (a random
+    head made the demo's accuracy collapse in calibration)."""
+    if reward_model is not None and same_tokenizer:
+        return copy.deepcopy(reward_model).to(torch.float32).requires_grad_(True).eval()
+    backbone = copy.deepcopy(backbone_of(policy))
+    head = nn.Linear(policy.config.hidden_size, 1, bias=False).to(policy.device, policy.dtype)
+    nn.init.zeros_(head.weight)
+    return ScalarHeadModel(backbone, head).to(torch.float32).requires_grad_(True).eval()
+
+
+@torch.no_grad()
+def fused_head_agrees(model, vocab=None) -> bool:
+    """Whether the fused path's log-probs equal those of the model's own logits on a tiny batch (IEEE fp32 matmuls):
+    a model that post-processes its logits (Gemma 2's softcapping, Cohere's logit_scale, Granite's logits_scaling,
+    Falcon-H1's lm_head_multiplier, ...) needs --full-logits. The known config keys first: small logits (a freshly
+    initialised model) can hide a softcap."""
+    config = getattr(model, "config", None)
+    scales = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+    if any(getattr(config, k, None) not in (None, 1.0) for k in scales):
+        return False
+    ids = torch.randint(0, vocab or model.config.vocab_size, (2, 6), device=model.device)
+    inputs = (ids, torch.ones_like(ids), positions(torch.ones_like(ids)), ids[:, 3:], torch.ones_like(ids[:, 3:]), 1.0)
+    with ieee_fp32():
+        fused, full = (sequence_logprobs(model, *inputs, full_logits=f, vocab=vocab)[0] for f in (False, True))
+    return bool(torch.allclose(fused, full, rtol=1e-4, atol=1e-4))
+
+
+@contextlib.contextmanager
+def ieee_fp32():  # start-up checks compare two paths in IEEE float32: TF32 would round each path its own way
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+def use_packed_attention(backbone, bf16=False):
+    """Let a transformers backbone run packed forwards (ppo_attention), and check on a ragged batch that packed
+    hidden states equal padded ones, also under --bf16's autocast (flash-attn's path); else refuse with a message."""
+    if not use_ppo_attention(backbone):
+        raise SystemExit(f"--micro-batch-tokens packs sequences through SDPA; {type(backbone).__name__} uses "
+                         f"{backbone.config._attn_implementation!r} attention. Leave --micro-batch-tokens at 0")
+    device = backbone.device
+    ids = torch.randint(1, backbone.config.vocab_size, (2, 5), device=device)
+    check = Rollout(ids[:, :3], torch.tensor([[0, 1, 1], [1, 1, 1]], device=device), ids[:, 3:],
+                    torch.tensor([[1, 1], [1, 0]], device=device), None, None, None)
+    input_ids, attention_mask, position_ids = full_sequence(check)
+    for mixed in (False, True) if bf16 else (False,):
+        where = f"{type(backbone).__name__}{' under --bf16' if mixed else ''}"
+        try:
+            with torch.no_grad(), ieee_fp32(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=mixed):
+                padded = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                  use_cache=False).last_hidden_state[attention_mask.bool()].float()
+                *inputs, layout = packed_inputs(check)
+                packed = backbone(*inputs[:1], attention_mask=inputs[1], position_ids=inputs[2], use_cache=False,
+                                  packed_layout=layout).last_hidden_state[0].float()
+        except (ValueError, RuntimeError) as e:
+            raise SystemExit(f"--micro-batch-tokens: {where} cannot run packed ({str(e).splitlines()[0][:200]}); "
+                             "leave it at 0")
+        # fp32: the same sums in another order; bf16 autocast: each path rounds to bf16 in other places
+        error = (packed - padded).abs().max() if not mixed else (packed - padded).norm() / padded.norm()
+        if error > (1e-3 if not mixed else 0.02):
+            raise SystemExit(f"--micro-batch-tokens: packed sequences give other hidden states than padded ones in "
+                             f"{where} ({float(error):.2g}); leave it at 0")
+
+
+def agrees_with_plain_loop(decoder, model, batch_size: int):  # raises if decoder's logits are not the plain loop's
+    ids = torch.randint(0, model.config.vocab_size, (batch_size, 3), device=model.device)
+    mask = torch.ones_like(ids)
+    mask[0, 0] = 0  # a left pad
+    outputs = [[d.start(ids, mask, positions(mask)), d.step(ids[:, 1]).clone(), d.step(ids[:, 2])]
+               for d in (decoder, PlainDecoder(model))]
+    for a, b in zip(*outputs):  # fp32: log-probs within 1e-3; bf16 (one rounding step can be 0.25): distributions
+        a, b = torch.log_softmax(a.float(), -1), torch.log_softmax(b.float(), -1)  # within 0.02 total variation
+        diff = (a - b).abs().max() if model.dtype == torch.float32 else 0.5 * (a.exp() - b.exp()).abs().sum(-1).max()
+        if diff > (1e-3 if model.dtype == torch.float32 else 0.02):
+            raise ValueError(f"its next-token distributions differ from the plain loop's by {float(diff):.3g}")
+
+
+@torch.no_grad()
+def fast_decoder(model, batch_size: int, max_len: int, compiled=False, threads=0):
+    """A StaticDecoder for model, with a CUDA graph on GPU, when it gives the plain loop's logits on a test batch;
+    else a PlainDecoder (or no graph), with a message that says why. compiled: its prefill and decode step go through
+    torch.compile (dynamic shapes for the prompt length, static for the step), compiled here under `threads`
+    intra-op threads (0 = as now), the number the sampler runs with: the compiled code is specialised to it."""
+    name = type(model).__name__
+    try:
+        decoder = StaticDecoder(model, batch_size, max(max_len, 5))  # (the check and capture() write 5 columns)
+        agrees_with_plain_loop(decoder, model, batch_size)
+    except Exception as e:  # a model family the fast path does not support: sample with the plain loop
+        fall_back(f"fast sampler off for {name} ({str(e).splitlines()[0][:200]}); using the plain decode loop")
+        return PlainDecoder(model)
+    if compiled:
+        t0, now = time.perf_counter(), torch.get_num_threads()
+        print(f"compiling the sampler ({name}, {batch_size} rows) with torch.compile ...", flush=True)
+        try:
+            torch.set_num_threads(threads or now)
+            decoder.prefill, decoder.decode = torch.compile(model, dynamic=True), torch.compile(model, dynamic=False)
+            agrees_with_plain_loop(decoder, model, batch_size)  # compiles both, then checks them
+            print(f"compiled in {time.perf_counter() - t0:.0f} s")
+        except Exception as e:  # e.g. no C++ compiler on a CPU machine, or an op inductor does not support
+            decoder.prefill = decoder.decode = model
+            fall_back(f"torch.compile off for the sampler ({str(e).splitlines()[0][:200]}); the static cache decodes "
+                      "eagerly")
+        finally:
+            torch.set_num_threads(now)
+    if model.device.type == "cuda":
+        try:
+            decoder.capture()
+            agrees_with_plain_loop(decoder, model, batch_size)
+        except Exception as e:  # e.g. a host sync inside the model's forward (dynamic RoPE)
+            torch.cuda.synchronize()
+            decoder.graph = None
+            fall_back(f"CUDA graph off for {name} ({str(e).splitlines()[0][:200]}); the static cache decodes eagerly")
+    return decoder
+
+
+def decoder_layers(model):  # the transformer blocks: the longest ModuleList
+    return max((m for m in model.modules() if isinstance(m, nn.ModuleList)), key=len)
+
+
+def checkpoint_layers(model):
+    """--gradient-checkpointing: each decoder layer keeps only its inputs and recomputes its activations in the
+    backward (non-reentrant torch.utils.checkpoint; works in eval mode, unlike transformers' own, and under FSDP2)."""
+    def checkpointed(forward, *args, **kwargs):
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    for layer in decoder_layers(model):
+        layer.forward = functools.partial(checkpointed, layer.forward)
+
+
+def fp32_head(model):
+    """--bf16: the lm_head runs outside autocast in fp32, so the full-logits path gets fp32 logits (autocast leaves a
+    model's logit post-processing, softcapping or scaling, in its input's dtype); the fused path does the same."""
+    head = model.get_output_embeddings()
+    forward = head.forward
+
+    def fp32_forward(hidden):
+        with torch.autocast(hidden.device.type, enabled=False):
+            return forward(hidden.to(head.weight.dtype))
+    head.forward = fp32_forward
+
+
+def autocast(cfg: Config, device):  # --bf16: the trainer's forwards in bf16 autocast, its weights and Adam in fp32
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16)
+
+
+def make_optimizers(cfg: Config, policy, critic):
+    """AdamW per model (eps 1e-5: the N+ details), decayed linearly to 0 over --steps unless --no-lr-decay."""
+    adamw = lambda m, lr: torch.optim.AdamW(m.parameters(), lr=lr, eps=cfg.adam_eps, weight_decay=cfg.weight_decay,
+                                            fused=True)  # one kernel for all parameters, CPU and CUDA
+    policy_opt, critic_opt = adamw(policy, cfg.lr), adamw(critic, cfg.critic_lr)
+    decay = (lambda s: max(0.0, 1.0 - s / cfg.steps)) if cfg.lr_decay else (lambda s: 1.0)
+    return policy_opt, critic_opt, [torch.optim.lr_scheduler.LambdaLR(o, decay) for o in (policy_opt, critic_opt)]
+
+
+def wrap_for_training(model, cfg: Config):
+    """Under torchrun: DDP (replicated, gradients all-reduced) or --fsdp FSDP2 (each decoder layer, then the root)."""
+    if not torch.distributed.is_initialized():
+        return model
+    device = next(model.parameters()).device
+    if cfg.fsdp:  # on a mesh of the run's device type (without one, fully_shard moves a CPU run to cuda:0)
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
+        for layer in decoder_layers(model):
+            fully_shard(layer, mesh=mesh)
+        return fully_shard(model, mesh=mesh)
+    return nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# prompts and rewards
+
+
+def addition_prompt(a: int, b: int) -> str:
+    return f"{a}+{b}="
+
+
+def addition_reward(prompts, completions):
+    """The demo's verifiable reward: 1 for the exact sum, else 0 (setup() also requires the EOS)."""
+    pairs = (prompt.rstrip("=").split("+") for prompt in prompts)
+    return [1.0 if c.strip() == str(int(a) + int(b)) else 0.0 for (a, b), c in zip(pairs, completions)]
+
+
+def load_prompts(path: str):
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.readlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise SystemExit(f"--prompts {path}: cannot read it as UTF-8 text ({e})")
+    prompts = []
+    for n, line in enumerate(lines, 1):
+        if line.strip():
+            try:
+                prompts.append(str(json.loads(line)["prompt"]))
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise SystemExit(f"--prompts {path}: line {n} is not a JSON object with a 'prompt' field ({e})")
+    if not prompts:
+        raise SystemExit(f"--prompts {path}: the file holds no prompts")
+    return prompts
+
+
+def load_reward_function(spec: str):
+    """'module:function' -> the function; the module is imported from the current directory or sys.path."""
+    module_name, _, fn_name = spec.partition(":")
+    if not module_name or not fn_name:
+        raise SystemExit(f"--reward {spec!r}: expected 'module:function', e.g. my_rewards:score")
+    sys.path.insert(0, os.getcwd())
+    try:
+        return getattr(importlib.import_module(module_name), fn_name)
+    except (ImportError, AttributeError) as e:
+        raise SystemExit(f"--reward {spec!r}: cannot load it ({e})")
+
+
+def format_prompts(tokenizer, texts, use_chat_template: bool, max_prompt_length: int, long_prompts="truncate"):
+    """Token ids per prompt: in the tokenizer's chat template (with the generation prompt) when it has one and
+    --chat-template is on, else the plain text with the tokenizer's own special tokens. Long prompts keep their
+    last tokens (the question is usually at the end; the number cut is printed), or are refused."""
+    if use_chat_template and getattr(tokenizer, "chat_template", None):
+        texts = [tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
+                                               add_generation_prompt=True) for t in texts]
+        ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    else:
+        ids = tokenizer(texts)["input_ids"]
+    cut = [i for i, x in enumerate(ids) if len(x) > max_prompt_length]
+    if cut and long_prompts == "refuse":
+        raise SystemExit(f"{len(cut)} of {len(ids)} prompts are longer than --max-prompt-length {max_prompt_length} "
+                         f"tokens (the first is prompt {cut[0] + 1}); raise it, or pass --long-prompts truncate")
+    if cut:
+        print(f"warning: {len(cut)} of {len(ids)} prompts are longer than --max-prompt-length {max_prompt_length} "
+              "tokens and keep only their last tokens")
+    return [x[-max_prompt_length:] for x in ids]
+
+
+def left_pad(seqs, pad_id: int, device):
+    """Lists of ids -> (ids, mask), each (B, P), padded on the left so every prompt ends at the same column and the
+    first sampled token of every row goes to column P."""
+    P = max(len(s) for s in seqs)
+    ids = torch.tensor([[pad_id] * (P - len(s)) + list(s) for s in seqs], dtype=torch.long, device=device)
+    return ids, torch.tensor([[0] * (P - len(s)) + [1] * len(s) for s in seqs], dtype=torch.long, device=device)
+
+
+def prompt_order(n: int, seed: int, start: int = 0):
+    """Endless epochs over n prompts (their indices), each epoch in a fresh random order from its own generator;
+    start: skip that many (a resumed run continues the same order where its checkpoint left it)."""
+    def epochs():
+        generator = torch.Generator().manual_seed(seed)
+        while True:
+            yield from reversed(torch.randperm(n, generator=generator).tolist())
+    return itertools.islice(epochs(), start, None)
 
 
 def sampling_args(cfg: Config, run) -> dict:  # generate()'s keyword arguments for this run's rollouts
     return dict(max_new_tokens=cfg.response_length, temperature=cfg.temperature, stop_ids=run.stop_ids,
                 pad_id=run.tokenizer.pad_token_id, top_k=cfg.top_k, top_p=cfg.top_p, vocab=run.vocab)
+
+
+@torch.no_grad()
+def reward_model_scores(reward_model, rm_tokenizer, policy_tokenizer, batch, use_chat_template, micro_batch_size):
+    """Score each (prompt, completion) with the reward model at its last real token. Same tokenizer: feed the rollout's
+    own tokens. Different tokenizer: decode, re-template and re-tokenize for the reward model."""
+    if same_vocabulary(rm_tokenizer, policy_tokenizer):
+        ids, mask, _ = full_sequence(batch)
+    else:
+        if use_chat_template and getattr(rm_tokenizer, "chat_template", None):
+            # a completion cut at --response-length stays an open assistant turn: no end-of-turn after it
+            chats = [[{"role": "user", "content": p}, {"role": "assistant", "content": c}]
+                     for p, c in zip(batch.prompts, batch.completions)]
+            texts = [chat_text(rm_tokenizer, chat, ended) for chat, ended in zip(chats, batch.ended.tolist())]
+            seqs = rm_tokenizer(texts, add_special_tokens=False)["input_ids"]
+        else:
+            eos = [(rm_tokenizer.eos_token or "") if e else "" for e in batch.ended.tolist()]  # scored at the EOS, as above
+            seqs = rm_tokenizer([p + c + e for p, c, e in zip(batch.prompts, batch.completions, eos)])["input_ids"]
+        ids, mask = left_pad(seqs, rm_tokenizer.pad_token_id or 0, batch.response.device)
+    last = (mask * torch.arange(mask.shape[1], device=mask.device)).argmax(-1)  # (B,) last real column
+    scores = []
+    for rows in torch.arange(ids.shape[0], device=ids.device).split(micro_batch_size):
+        out = reward_model(ids[rows], mask[rows], positions(mask[rows]))  # (b, L)
+        scores.append(out.gather(1, last[rows, None]).squeeze(1))
+    return torch.cat(scores)
+
+
+def chat_text(tokenizer, chat, ended: bool) -> str:  # a finished assistant turn, or an open one (no end-of-turn)
+    try:
+        return tokenizer.apply_chat_template(chat, tokenize=False, continue_final_message=not ended)
+    except ValueError:  # a template that rewrites the assistant text (drops a <think> part): it cannot stay open
+        return tokenizer.apply_chat_template(chat, tokenize=False)
+
+
+def call_reward_function(fn, prompts, completions, device):
+    """A user's reward function, checked: one number per completion, or a clear error."""
+    try:
+        scores = fn(prompts, completions)
+    except Exception as e:
+        raise SystemExit(f"the reward function raised {type(e).__name__}: {e}")
+    try:
+        scores = [float(s) for s in scores]
+    except (TypeError, ValueError) as e:
+        raise SystemExit(f"the reward function must return a list of numbers ({e})")
+    if len(scores) != len(completions):
+        raise SystemExit(f"the reward function returned {len(scores)} scores for {len(completions)} completions")
+    return torch.tensor(scores, dtype=torch.float32, device=device)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the built-in demo: supervised warm-up and held-out evaluation
 
 
 def answer_batch(tokenizer, prompt_ids, answers, device):
@@ -1148,7 +1364,7 @@ def demo_warmup(policy, tokenizer, train_pairs, cfg: Config):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# the overlapped loop: sampler thread, bounded queue, packed weight sync, timing
+# the overlapped loop's machinery: sampler thread, bounded queue, packed weight sync, timing
 #
 # Generation dominates RL wall-clock time and leaves the trainer idle, so (as verl, AReaL, PipelineRL, PRIME-RL do)
 # a sampler copy of the policy generates the next batches while the trainer updates on the current one:
@@ -1539,114 +1755,6 @@ def format_line(r: dict, steps: int) -> str:
             f" | train {r['train_tokens_per_s']:.0f} tok/s | idle {r['trainer_idle_frac']:.0%} | {r['iter_s']:.2f}s")
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# main
-
-
-def setup(cfg: Config, ctx: Dist = Dist()):
-    """Tokenizer, policy (warmed up for the demo), frozen reference, critic, reward function and prompts. Everything
-    that can be checked cheaply (prompts, reward function, model paths, lengths) is, before the warm-up."""
-    name = cfg.device if cfg.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(f"cuda:{ctx.local_rank}" if name == "cuda" else name)  # one GPU per local rank
-    if device.type == "cuda":  # the current device: Triton launches, streams, events and graphs use it
-        torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.allow_tf32 = cfg.tf32  # fp32 matmuls (trainer, fp32 heads) in TF32: README
-    dtype = getattr(torch, cfg.dtype)
-    torch.manual_seed(cfg.seed)
-    prompt_texts = load_prompts(cfg.prompts) if cfg.prompts else None
-    rule = load_reward_function(cfg.reward) if cfg.reward else addition_reward
-    if cfg.model:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-            policy = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
-        except (OSError, ValueError) as e:
-            raise SystemExit(f"--model {cfg.model}: cannot load a causal LM and its tokenizer ({str(e).splitlines()[0]})")
-    else:
-        tokenizer = build_demo_tokenizer()
-        policy = build_demo_policy(tokenizer, cfg.seed, cfg.demo_hidden, cfg.demo_layers)
-    if policy.config.model_type in ("rwkv", "xlstm", "recurrent_gemma", "mamba", "falcon_mamba"):
-        raise SystemExit(f"--model {cfg.model}: {policy.config.model_type} is not supported: its recurrent state "
-                         "ignores left padding or its 1-token decode steps (the sampler batches left-padded prompts)")
-    if tokenizer.eos_token_id is None:
-        raise SystemExit(f"the tokenizer of {cfg.model or 'the demo'} has no EOS token; set eos_token in its config")
-    stop_ids = stop_token_ids(tokenizer, policy)
-    vocab = ensure_pad_token(tokenizer, policy, stop_ids)
-    disable_dropout(policy)
-    policy.to(device, torch.float32).eval()  # fp32 master weights (bf16 Adam updates round away); eval: no dropout
-    if not cfg.full_logits and not fused_head_agrees(policy, vocab):
-        fall_back(f"{type(policy).__name__} post-processes its logits (they are not hidden @ lm_head.weight.T): "
-                  "log-probs from its full logits (--full-logits)")
-        cfg.full_logits = True
-    run = dict(tokenizer=tokenizer, policy=policy, eval_ids=None, eval_texts=None, prompt_texts=prompt_texts,
-               stop_ids=stop_ids, vocab=vocab)
-    if not cfg.prompts:
-        # all (a, b) in 0..99 x 0..99, split into training and held-out pairs once: the same split for every --seed
-        pairs = [divmod(i, 100) for i in torch.randperm(10_000, generator=torch.Generator().manual_seed(1234)).tolist()]
-        train_pairs, eval_pairs = pairs[cfg.eval_size:], pairs[:cfg.eval_size]
-        run["prompt_texts"] = [addition_prompt(a, b) for a, b in train_pairs]
-        run["eval_texts"] = [addition_prompt(a, b) for a, b in eval_pairs]
-        run["eval_ids"] = format_prompts(tokenizer, run["eval_texts"], cfg.chat_template, cfg.max_prompt_length)
-    run["prompt_ids"] = format_prompts(tokenizer, run["prompt_texts"], cfg.chat_template, cfg.max_prompt_length,
-                                       cfg.long_prompts)
-    longest, context = max(map(len, run["prompt_ids"])), getattr(policy.config, "max_position_embeddings", None)
-    if context and longest + cfg.response_length > context:
-        raise SystemExit(f"the longest prompt ({longest} tokens) plus --response-length {cfg.response_length} exceeds "
-                         f"the model's context of {context} tokens; lower --max-prompt-length or --response-length")
-    reward_model, same_tokenizer = None, False
-    if cfg.reward_model:
-        reward_model, rm_tokenizer = load_reward_model(cfg.reward_model, device, dtype)
-        same_tokenizer = same_vocabulary(rm_tokenizer, tokenizer)
-        run["reward_fn"] = lambda b: reward_model_scores(reward_model, rm_tokenizer, tokenizer, b, cfg.chat_template,
-                                                         cfg.micro_batch_size or cfg.batch_size // cfg.minibatches // ctx.world)
-    else:
-        demo_rule = not cfg.reward  # the demo's exact match includes the EOS: digits, then stop
-        run["reward_fn"] = lambda b: call_reward_function(rule, b.prompts, b.completions, device) * (b.ended if demo_rule else 1)
-    if not cfg.prompts:
-        if ctx.rank > 0:  # rank 0 warms up and fills the cache first; the other ranks then load it
-            torch.distributed.barrier()
-        demo_warmup(policy, tokenizer, train_pairs, cfg)
-        if ctx.rank == 0 and ctx.world > 1:
-            torch.distributed.barrier()
-    if cfg.micro_batch_tokens:
-        if cfg.micro_batch_tokens < longest + cfg.response_length:
-            raise SystemExit(f"--micro-batch-tokens {cfg.micro_batch_tokens} is less than the longest sequence (a "
-                             f"{longest}-token prompt + --response-length {cfg.response_length}); raise it")
-        use_packed_attention(backbone_of(policy), cfg.bf16)  # before the copies: the reference and sampler inherit it
-    reference = cast_parameters(copy.deepcopy(policy), dtype).requires_grad_(False)
-    run["reference"] = Actor(reference, cfg.temperature, cfg.full_logits, vocab)
-    run["critic"] = build_critic(policy, reward_model, same_tokenizer)
-    if cfg.micro_batch_tokens:  # (a critic from the reward model has its own attention set-up)
-        use_packed_attention(run["critic"].backbone, cfg.bf16)
-    print(f"policy {sum(p.numel() for p in policy.parameters()) / 1e6:.2f}M parameters on {device}; critic from "
-          f"{'the reward model' if reward_model is not None and same_tokenizer else 'the policy, zero-initialised head'}")
-    return dataclasses.make_dataclass("Run", run.keys())(**run)
-
-
-def make_optimizers(cfg: Config, policy, critic):
-    """AdamW per model (eps 1e-5: the N+ details), decayed linearly to 0 over --steps unless --no-lr-decay."""
-    adamw = lambda m, lr: torch.optim.AdamW(m.parameters(), lr=lr, eps=cfg.adam_eps, weight_decay=cfg.weight_decay,
-                                            fused=True)  # one kernel for all parameters, CPU and CUDA
-    policy_opt, critic_opt = adamw(policy, cfg.lr), adamw(critic, cfg.critic_lr)
-    decay = (lambda s: max(0.0, 1.0 - s / cfg.steps)) if cfg.lr_decay else (lambda s: 1.0)
-    return policy_opt, critic_opt, [torch.optim.lr_scheduler.LambdaLR(o, decay) for o in (policy_opt, critic_opt)]
-
-
-def wrap_for_training(model, cfg: Config):
-    """Under torchrun: DDP (replicated, gradients all-reduced) or --fsdp FSDP2 (each decoder layer, then the root)."""
-    if not torch.distributed.is_initialized():
-        return model
-    device = next(model.parameters()).device
-    if cfg.fsdp:  # on a mesh of the run's device type (without one, fully_shard moves a CPU run to cuda:0)
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-        mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
-        for layer in decoder_layers(model):
-            fully_shard(layer, mesh=mesh)
-        return fully_shard(model, mesh=mesh)
-    return nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-
-
 def reduce_record(record: dict, world: int) -> dict:
     """The logged scalars over all ranks: token counts and throughputs summed, maxima maxed, the rest averaged
     (every rank holds the same number of rows, so row means average exactly; token means are averages of ranks')."""
@@ -1663,207 +1771,6 @@ def reduce_record(record: dict, world: int) -> dict:
     return record
 
 
-def train(cfg: Config, run, output_dir: str, threaded=None, ctx: Dist = Dist()):
-    """The loop: the producer samples and scores with the frozen models, the trainer scores with the current weights
-    and updates. threaded=None: a sampler thread iff --max-staleness > 0 or --inflight-updates (at staleness 0 the
-    thread gives the inline loop's result to the bit). A --resume at staleness 0 ends at the uninterrupted run's
-    weights: prompt order, generators, optimizers and schedules all resume exactly."""
-    policy, tokenizer, device = run.policy, run.tokenizer, run.policy.device
-    sampler_dtype = torch.bfloat16 if device.type == "cuda" else policy.dtype  # inference copy: bf16 on GPU
-    sampler = cast_parameters(copy.deepcopy(policy), sampler_dtype).requires_grad_(False)
-    sharded = cfg.fsdp and torch.distributed.is_initialized()
-    # FSDP2: the demo evaluates a full copy of its own, not the sampler, which its thread uses and updates
-    evaluator = copy.deepcopy(sampler) if sharded and run.eval_ids is not None and ctx.rank == 0 else None
-    sync = WeightSync(policy, sampler, sharded)  # packs the weights
-    if evaluator is not None:  # its parameters become views of the published weights, which only this thread writes
-        torch.nn.utils.vector_to_parameters(sync.staging, evaluator.parameters())
-    for model in (policy, run.critic) if cfg.gradient_checkpointing else ():  # (not the sampler copy, made above)
-        checkpoint_layers(model)
-    if cfg.bf16:
-        fp32_head(policy)
-    actor = wrap_for_training(Actor(policy, cfg.temperature, cfg.full_logits, run.vocab), cfg)
-    critic = wrap_for_training(run.critic, cfg)
-    policy_opt, critic_opt, schedules = make_optimizers(cfg, actor, critic)
-    # the same prompt order on every rank, each taking its slice; sampling differs per rank (a seed offset)
-    rank_rows = slice(ctx.rank * cfg.batch_size // ctx.world, (ctx.rank + 1) * cfg.batch_size // ctx.world)
-    sample_generator = torch.Generator(device).manual_seed(cfg.seed + 1_000_003 * ctx.rank)
-    shuffle_generator = torch.Generator().manual_seed(cfg.seed + 1)
-    eval_seed = cfg.seed + 2
-    start, history, first_accuracy, last_checkpoint, elapsed = 0, [], None, None, 0.0
-    if cfg.resume:
-        state = load_checkpoint(cfg.resume, actor, critic, (policy_opt, critic_opt), schedules, ctx)
-        start, first_accuracy, elapsed, last_checkpoint = state["step"], state["first_accuracy"], state["time_s"], cfg.resume
-        sample_generator.set_state(state["sampler_rng"])
-        shuffle_generator.set_state(state["shuffle_rng"])
-        history = restore_metrics(output_dir, start) if ctx.rank == 0 else []
-        for newer in [c for c in checkpoints(output_dir) if c > cfg.resume] if ctx.rank == 0 else []:  # step-N sorts
-            os.replace(newer, os.path.join(os.path.dirname(newer), f".abandoned-{os.path.basename(newer)}-{time.strftime('%Y%m%d-%H%M%S')}"))
-            print(f"resume: set aside {newer}, newer than the checkpoint resumed from (now .abandoned-*)")
-        print(f"resumed from {cfg.resume} after iteration {start}/{cfg.steps}")
-    sync.publish(start)  # the sampler starts from the trainer's (maybe just loaded) weights, as version `start`
-    sync.pull()
-    if ctx.rank == 0:
-        write_json(dataclasses.asdict(cfg), os.path.join(output_dir, "config.json"))  # the config actually used
-    logger, tracer = Logger(cfg, output_dir, enabled=ctx.rank == 0), Tracer(cfg.trace if ctx.rank == 0 else "")
-    order = prompt_order(len(run.prompt_ids), cfg.seed, start=start * cfg.batch_size)
-    longest = max(map(len, run.prompt_ids)) + cfg.response_length
-    threaded = (cfg.max_staleness > 0 or cfg.inflight_updates) if threaded is None else threaded
-    decoder = fast_decoder(sampler, rank_rows.stop - rank_rows.start, longest, cfg.compile_sampler,
-                           threads=1 if threaded and sampler.device.type == "cpu" else 0) if cfg.static_cache else sampler
-
-    def make_batch(i, stop):  # the producer: sample batch i, score it with the frozen models
-        def between_steps():  # between decode steps: stop promptly on shutdown; take new weights if in-flight
-            if stop.is_set():
-                raise InterruptedError("the run is stopping")
-            return sync.pull() if cfg.inflight_updates else version
-
-        with tracer.span("generate", "sampler"):
-            t0, version = time.perf_counter(), sync.pull()
-            rows = [next(order) for _ in range(cfg.batch_size)][rank_rows]
-            ids, mask = left_pad([run.prompt_ids[r] for r in rows], tokenizer.pad_token_id, device)
-            batch = generate(decoder, ids, mask, **sampling_args(cfg, run), generator=sample_generator,
-                             policy_version=version, between_steps=between_steps)
-            batch.prompts, batch.completions = [run.prompt_texts[r] for r in rows], decode_completions(tokenizer, batch)
-            batch.gen_s, batch.sampler_rng = time.perf_counter() - t0, sample_generator.get_state()  # (for a checkpoint)
-        with tracer.span("score: reference, reward", "sampler"):
-            score_frozen(batch, run.reference, run.reward_fn, cfg)
-            if device.type == "cuda":
-                torch.cuda.current_stream().synchronize()  # the batch is complete before the trainer's stream reads it
-        return batch
-
-    def checkpoint(step, batch):
-        state = {"step": step, "first_accuracy": first_accuracy, "time_s": time.time() - t_start,
-                 "shuffle_rng": shuffle_generator.get_state(), "schedules": [s.state_dict() for s in schedules]}
-        path = save_checkpoint(output_dir, step, actor, critic, (policy_opt, critic_opt), tokenizer, state,
-                               {"sampler_rng": batch.sampler_rng}, cfg, ctx)
-        print(f"checkpoint: {path}", flush=True)
-        return path
-
-    def evaluate_now():  # the demo's held-out accuracy of the trainer's current (last published) weights
-        return evaluate(evaluator or policy, tokenizer, run.eval_ids, run.eval_texts, cfg, eval_seed)
-
-    stop_signal = []  # the first SIGINT/SIGTERM ends the run after the current iteration, with a checkpoint
-
-    def on_signal(signum, frame):
-        if stop_signal:
-            raise KeyboardInterrupt  # a second one: abandon the iteration now
-        stop_signal.append(signal.Signals(signum).name)
-        print(f"\n{stop_signal[0]}: finishing this iteration, then a checkpoint (send it again to abandon)", flush=True)
-
-    in_main = threading.current_thread() is threading.main_thread()
-    handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)} if in_main else {}
-    producer, bad_steps = None, 0
-    try:
-        if run.eval_ids is not None and not cfg.resume and ctx.rank == 0:
-            first_accuracy = evaluate_now()
-            logger.log({"step": 0, "eval_accuracy": first_accuracy, "time_s": 0.0})
-            print(f"held-out sampled accuracy before PPO: {first_accuracy:.3f}")
-        producer = Producer(make_batch, sync, tracer, cfg.max_staleness, start, cfg.steps, threaded)
-        window = time.time()  # an iteration's window: from the end of the last one to the end of this one
-        t_start = window - elapsed
-        tracer.take()
-        for step in range(start + 1, cfg.steps + 1):
-            batch = producer.get()
-            with tracer.span("score: old log-probs, values", "trainer"):
-                B = batch.response.shape[0]  # this rank's rows
-                row_orders = [torch.randperm(B, generator=shuffle_generator) for _ in range(cfg.ppo_epochs)]
-                kl = score_trainer(batch, actor, critic, cfg, row_orders[0], version=step - 1)
-                for model in (actor, critic):  # FSDP2: a no-grad forward leaves the root's weights gathered
-                    getattr(model, "reshard", lambda: None)()
-                problem = nonfinite(batch)
-                if any_rank(problem is not None, device) and torch.distributed.is_initialized():  # decided together
-                    problems = [None] * ctx.world
-                    torch.distributed.all_gather_object(problems, problem)
-                    problem = "; ".join(f"rank {r}: {p}" for r, p in enumerate(problems) if p)
-            with tracer.span("update", "trainer"):
-                t_update = time.time()
-                lr = schedules[0].get_last_lr()[0]  # the learning rate this update uses
-                stats = ppo_update(actor, critic, policy_opt, critic_opt, batch, cfg, row_orders) if problem is None else {}
-                problem = problem or stats.get("nonfinite")
-                for schedule in schedules:
-                    schedule.step()
-                update_s = time.time() - t_update
-            with tracer.span("publish weights", "trainer"):
-                sync.publish(step)
-                sync_ms = sync.sync_ms()
-            if problem is not None:  # the non-finite guard: this update is skipped, the weights stay finite
-                bad_steps += 1
-                logger.log({"step": step, "skipped_update": f"non-finite {problem}", "time_s": time.time() - t_start})
-                print(f"it {step:>4}/{cfg.steps} | update skipped: non-finite {problem} | "
-                      f"{bad_steps}/{cfg.max_bad_steps} in a row", flush=True)
-                if bad_steps >= cfg.max_bad_steps:
-                    raise SystemExit(f"stopping: {bad_steps} consecutive updates skipped for non-finite values (last: "
-                                     f"{problem}); the last good checkpoint is {last_checkpoint or 'none (--save-every 0)'}")
-            else:
-                bad_steps = 0
-                accuracy = None
-                if run.eval_ids is not None and (step % cfg.eval_every == 0 or step == cfg.steps) and ctx.rank == 0:
-                    with tracer.span("evaluate", "trainer"):
-                        accuracy = evaluate_now()
-                now = time.time()
-                record = reduce_record(iteration_record(step, batch, kl, stats, cfg, now - window, batch.gen_s, update_s,
-                                                        tracer.take(), sync_ms, lr), ctx.world)
-                window, record["time_s"] = now, now - t_start
-                record.update({} if accuracy is None else {"eval_accuracy": accuracy})  # rank 0's, after the reduction
-                logger.log(record)
-                history.append(record)
-                print(format_line(record, cfg.steps), flush=True)
-                if cfg.sample_every and (step % cfg.sample_every == 0 or step == 1):
-                    for p, c, s in zip(batch.prompts[:3], batch.completions[:3], batch.scores[:3].tolist()):
-                        print(f"    {p!r} -> {c!r}  (score {s:.2f})")
-                if cfg.save_every and (step % cfg.save_every == 0 or step == cfg.steps):
-                    last_checkpoint = checkpoint(step, batch)
-            if any_rank(bool(stop_signal), device):  # every rank stops after the same iteration
-                if not str(last_checkpoint).endswith(f"step-{step:08d}"):  # (not just written by --save-every)
-                    last_checkpoint = checkpoint(step, batch)
-                stop_signal = stop_signal or ["a signal to another rank"]
-                print(f"stopped by {stop_signal[0]} after iteration {step}/{cfg.steps}; continue with: "
-                      f"{'python' if ctx.world == 1 else f'torchrun --nproc_per_node {ctx.world}'} ppo_tokens.py --resume "
-                      f"{last_checkpoint}")
-                return history
-    finally:
-        if producer is not None:
-            producer.close()
-        for s, handler in handlers.items():
-            signal.signal(s, handler)
-        tracer.write()
-        logger.close()
-    policy_state = {k.removeprefix("policy."): v for k, v in full_state(actor).items()}
-    if ctx.rank == 0:
-        save_policy(policy, tokenizer, os.path.join(output_dir, "policy"), policy_state)
-    if torch.distributed.is_initialized():  # DDP must keep the ranks' weights identical: check it, bit for bit
-        digests = [None] * ctx.world
-        digest = hashlib.sha256()
-        for chunk in sync.staging.split(1 << 26):  # 64M values at a time: no full host copy, no cast
-            digest.update(chunk.view(torch.uint8).cpu().numpy().tobytes())
-        torch.distributed.all_gather_object(digests, digest.hexdigest()[:16])
-        print(f"actor weights (sha256 of the gathered weights) on each rank: {' '.join(digests)}")
-        if len(set(digests)) > 1:
-            raise SystemExit(f"the ranks' actor weights differ ({digests}); the data-parallel update is broken")
-    summarize(history, first_accuracy, output_dir)
-    return history
-
-
-def iteration_record(step, batch: Rollout, kl, stats, cfg: Config, iter_s, gen_s, update_s, busy, sync_ms, lr):
-    response_tokens = int(batch.response_mask.sum())
-    sequence_tokens = response_tokens + int(batch.prompt_mask.sum())
-    trainer_busy, sampler_busy = busy.get("trainer_busy_s", 0.0), busy.get("sampler_busy_s", 0.0)
-    return {"step": step, "reward_mean": float(batch.raw_scores.mean()),
-            "kl": float(kl.sum(-1).mean()), "kl_per_token": float(masked_mean(kl, batch.response_mask)), **stats,
-            "explained_variance": float(explained_variance(batch.values, batch.returns, batch.response_mask)),
-            "response_length": response_tokens / batch.response.shape[0], "response_tokens": response_tokens,
-            # the share of a padded (B, P + T) forward that is padding: what --micro-batch-tokens does not compute
-            "padding_frac": 1.0 - sequence_tokens / (batch.response.shape[0] * (batch.prompt_ids.shape[1] + batch.response.shape[1])),
-            "eos_fraction": float(batch.ended.float().mean()), "lr": lr, **batch.correction,
-            "iter_s": iter_s, "gen_tokens_per_s": response_tokens / gen_s,
-            "train_tokens_per_s": cfg.ppo_epochs * sequence_tokens / update_s,
-            "tokens_per_s": response_tokens / iter_s,  # end to end: what the overlap buys
-            **{f"{side}_{what}_s": busy.get(f"{side}_{what}_s", 0.0) for side in ("trainer", "sampler") for what in ("busy", "wait")},
-            "trainer_idle_frac": max(0.0, 1.0 - trainer_busy / iter_s),
-            "overlap_frac": max(0.0, trainer_busy + sampler_busy - iter_s) / iter_s,  # both busy at once
-            "weight_sync_ms": sync_ms}
-
-
 def summarize(history, first_accuracy, output_dir: str):
     tenth, accuracies = max(1, len(history) // 10), [r["eval_accuracy"] for r in history if "eval_accuracy" in r]
     mean = lambda rs: sum(r["reward_mean"] for r in rs) / max(1, len(rs))
@@ -1872,6 +1779,39 @@ def summarize(history, first_accuracy, output_dir: str):
     if first_accuracy is not None and accuracies:
         print(f"held-out sampled accuracy: {first_accuracy:.3f} before PPO -> {accuracies[-1]:.3f} after")
     print(f"policy saved to {os.path.join(output_dir, 'policy')}; metrics in {os.path.join(output_dir, 'metrics.jsonl')}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# distributed set-up: torchrun sets RANK, LOCAL_RANK and WORLD_SIZE; without them this is a single process. Each rank
+# samples and scores its own shard of every batch with its own sampler; the actor and critic train data-parallel
+# (DDP, or FSDP2 with --fsdp); whitening statistics and logged scalars are reduced over all ranks.
+
+
+def init_distributed(cfg: Config) -> Dist:
+    if "RANK" not in os.environ:
+        return Dist()
+    ctx = Dist(int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"]))
+    cuda = cfg.device != "cpu" and torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(ctx.local_rank)  # one device per local rank
+    torch.distributed.init_process_group("nccl" if cuda else "gloo")
+    if ctx.rank > 0:  # rank 0 alone prints; errors (stderr) still come from every rank
+        sys.stdout = open(os.devnull, "w")
+    return ctx
+
+
+def all_reduce(t, op="sum"):  # t reduced over all ranks, in place; the identity in a single process
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(t, getattr(torch.distributed.ReduceOp, op.upper()))
+    return t
+
+
+def any_rank(flag: bool, device) -> bool:  # a decision every rank must take together (skip an update, stop)
+    return bool(all_reduce(torch.tensor([float(flag)], device=device), "max"))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# benchmarks
 
 
 def bench_overlap(cfg: Config, output_dir: str):
@@ -1972,6 +1912,87 @@ def bench_rollout(cfg: Config):
     for layout, s in results.items():
         print(f"  {layout:<7} {s * 1e3:9.1f} ms  {results['padded'] / s:5.2f}x")
     print(f"sampler vs generate: {seconds['HF generate'] / seconds[name]:.2f}x")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the command line and main
+
+
+# flags a resumed run may change; every other flag must match the checkpoint's config (or be left out)
+RUN_ONLY = ("resume", "output_dir", "save_every", "keep_checkpoints", "max_bad_steps", "trace", "wandb_project",
+            "sample_every", "fsdp", "compile_sampler")
+
+
+def parse_config(argv=None) -> Config:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    for f in dataclasses.fields(Config):
+        kind = {"action": argparse.BooleanOptionalAction} if type(f.default) is bool else {"type": type(f.default)}
+        bare = {"nargs": "?", "const": "latest"} if f.name == "resume" else {}  # bare --resume: --output-dir's newest
+        parser.add_argument("--" + f.name.replace("_", "-"), default=f.default, help=f.metadata["help"], **kind, **bare)
+    args = vars(parser.parse_args(argv))
+    try:
+        if args["resume"]:  # the checkpoint's config becomes the defaults, so `--resume PATH` alone continues the run
+            checkpoint = find_checkpoint(args["output_dir"] if args["resume"] == "latest" else args["resume"])
+            with open(os.path.join(checkpoint, "config.json"), encoding="utf-8") as f:
+                saved = {k: v for k, v in json.load(f).items() if k in args}
+            parser.set_defaults(**saved)
+            args = vars(parser.parse_args(argv))
+            changed = [k for k in saved if k not in RUN_ONLY and args[k] != saved[k]]
+            if changed:
+                raise ValueError("--resume: " + ", ".join(f"--{k.replace('_', '-')} {args[k]} differs from the "
+                                 f"checkpoint's {saved[k]}" for k in changed) + "; drop the flag or start a new run")
+            args.update(resume=checkpoint, output_dir=os.path.dirname(os.path.dirname(checkpoint)))
+        cfg = Config(**args)
+        check_config(cfg)
+    except ValueError as e:
+        parser.exit(2, f"ppo_tokens.py: error: {e}\n")
+    return cfg
+
+
+def check_config(cfg: Config):
+    """Resolve the derived values and check every size once, with errors that name the flags to change."""
+    demo = not cfg.model and not cfg.prompts
+    if cfg.response_length == 0:
+        cfg.response_length = 4 if demo else 128
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # under torchrun --batch-size is global; each rank takes 1/world
+    ranks = f" x {world} ranks (torchrun's WORLD_SIZE)" if world > 1 else ""
+    minibatch_size = cfg.batch_size // max(1, cfg.minibatches * world)  # per rank
+    checks = [(cfg.max_staleness >= 0, f"--max-staleness must be >= 0 (got {cfg.max_staleness}); 0 is synchronous PPO"),
+              (cfg.is_mode in ("truncate", "mask") and cfg.is_cap >= 1,
+               f"--is-mode must be truncate or mask and --is-cap >= 1 (got {cfg.is_mode!r}, {cfg.is_cap})"),
+              (cfg.temperature > 0, f"--temperature must be > 0 (got {cfg.temperature}); for near-greedy use e.g. 0.05"),
+              (cfg.kl_estimator in ("k1", "k3"), f"--kl-estimator must be k1 or k3 (got {cfg.kl_estimator!r})"),
+              (cfg.dtype in ("float32", "bfloat16"), f"--dtype must be float32 or bfloat16 (got {cfg.dtype!r})"),
+              (not (cfg.reward and cfg.reward_model), "give either --reward or --reward-model, not both"),
+              (demo or cfg.reward or cfg.reward_model or cfg.bench_rollout,  # (the benchmark scores nothing)
+               "--model/--prompts need a reward: pass --reward module:function or --reward-model DIR"),
+              (not cfg.model or cfg.prompts, "--model needs --prompts FILE.jsonl (the demo prompts fit the demo only)"),
+              (0 < cfg.top_p <= 1 and cfg.top_k >= 0, "--top-p must be in (0, 1] and --top-k >= 0"),
+              (cfg.long_prompts in ("truncate", "refuse"), f"--long-prompts must be truncate or refuse (got {cfg.long_prompts!r})"),
+              (not cfg.prompts or os.path.isfile(cfg.prompts), f"--prompts {cfg.prompts}: no such file"),
+              (not cfg.reward_model or os.path.isdir(cfg.reward_model), f"--reward-model {cfg.reward_model}: no such directory"),
+              (cfg.save_every >= 0, f"--save-every must be >= 0 (got {cfg.save_every})"),
+              (cfg.micro_batch_tokens >= 0 and not (cfg.micro_batch_tokens and cfg.micro_batch_size),
+               "give --micro-batch-size (rows) or --micro-batch-tokens (a token budget), not both; neither is negative"),
+              (cfg.static_cache or not cfg.compile_sampler, "--compile-sampler needs the static cache: drop --no-static-cache"),
+              (not (cfg.bench_overlap or cfg.bench_rollout) or world == 1,
+               "--bench-overlap and --bench-rollout run in one process; start them with python, not torchrun"),
+              (not demo or 1 <= cfg.eval_size <= 5000, f"--eval-size must be in 1..5000 (got {cfg.eval_size})"),
+              (world == 1 or ":" not in cfg.device, f"--device {cfg.device}: under torchrun each rank uses "
+               "cuda:LOCAL_RANK; pass --device cuda (or set CUDA_VISIBLE_DEVICES)"),
+              (not cfg.device.startswith("cuda") or torch.cuda.is_available(),
+               f"--device {cfg.device}: CUDA is not available here; use --device cpu")]
+    checks += [(getattr(cfg, n) >= 1, f"--{n.replace('_', '-')} must be >= 1 (got {getattr(cfg, n)})")
+               for n in ("steps", "batch_size", "response_length", "ppo_epochs", "minibatches", "eval_every",
+                         "keep_checkpoints", "max_bad_steps")]
+    checks += [(cfg.minibatches < 1 or cfg.batch_size % (cfg.minibatches * world) == 0,
+                f"--batch-size {cfg.batch_size} must be divisible by --minibatches {cfg.minibatches}{ranks}"),
+               (not cfg.micro_batch_size or minibatch_size % cfg.micro_batch_size == 0,
+                f"the minibatch size per rank (--batch-size {cfg.batch_size} / --minibatches {cfg.minibatches}{ranks} "
+                f"= {minibatch_size}) must be divisible by --micro-batch-size {cfg.micro_batch_size}")]
+    for ok, message in checks:
+        if not ok:
+            raise ValueError(message)
 
 
 def main(argv=None):
