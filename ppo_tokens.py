@@ -138,6 +138,9 @@ Dist = collections.namedtuple("Dist", "rank local_rank world", defaults=(0, 0, 1
 # THE ALGORITHM, in the order it runs: the rollout, scoring, advantages, the losses, the update and the loop.
 # Everything after the marker further down (set-up, models, prompts and rewards, the demo, the overlapped loop's
 # machinery, logging, checkpoints, distributed helpers, benchmarks, the CLI) is plumbing it calls by name.
+# One iteration of train(): generate (sample a batch) -> score_frozen (reference log-probs, the reward) ->
+# score_trainer (old log-probs, values, per_token_rewards, gae, whitening, off_policy_correction) -> ppo_update
+# (policy_loss, value_loss) -> WeightSync.publish (the sampler pulls the new weights before its next batch).
 #
 # rollout: the policy samples a completion per prompt with its own KV-cache loop
 
@@ -434,10 +437,9 @@ def gae(rewards, values, response_mask, gamma: float, lam: float):
 def score_trainer(batch: Rollout, policy, critic, cfg: Config, row_order=None, version=None):
     """The trainer side: proximal ("old") log-probs and values need the current weights, so the trainer computes them
     right before its update, in the same micro-batch rows (row_order) as the first training epoch, so the first
-    epoch's ratio is bit-exactly 1 (see ppo_update). Then the per-token rewards, GAE, whitening and, for tokens that
-    an older policy sampled, the decoupled-PPO importance weights (Hilton et al. 2022; AReaL):
-        w_t = exp(prox_logp_t - behav_logp_t), capped at --is-cap (truncated or masked); exactly 1 for fresh tokens.
-    version: the trainer's policy version (None = every token is fresh: plain PPO). Returns the per-token KL."""
+    epoch's ratio is bit-exactly 1 (see ppo_update). Then the per-token rewards, GAE, whitening and the staleness
+    correction (off_policy_correction). version: the trainer's policy version (None = every token is fresh: plain
+    PPO). Returns the per-token KL."""
     batch.old_logprobs = torch.zeros_like(batch.behav_logprobs)
     batch.values = torch.zeros_like(batch.behav_logprobs, dtype=torch.float32)  # the critic's output is fp32
     for rows, mb in micro_batches(batch, cfg, row_order, ranks_agree=True):  # the first epoch's micro-batches
@@ -452,6 +454,16 @@ def score_trainer(batch: Rollout, policy, critic, cfg: Config, row_order=None, v
     batch.rewards = per_token_rewards(batch.scores, kl, batch.response_mask, cfg.kl_coef)
     advantages, batch.returns = gae(batch.rewards, batch.values, batch.response_mask, cfg.gamma, cfg.lam)
     batch.advantages = masked_whiten(advantages, batch.response_mask)
+    off_policy_correction(batch, cfg, version)
+    return kl
+
+
+def off_policy_correction(batch: Rollout, cfg: Config, version=None):
+    """Staleness: the tokens an older policy sampled (age = version - policy_version > 0) get the decoupled-PPO
+    importance weight (Hilton et al. 2022; AReaL), the proximal policy being the trainer's current one:
+        w_t = exp(prox_logp_t - behav_logp_t), capped at --is-cap (truncated or masked); exactly 1 for fresh tokens,
+    so at --max-staleness 0 this is plain PPO to the bit. Tokens older than --max-token-age leave the loss."""
+    mask = batch.response_mask.bool()
     age = torch.zeros_like(batch.policy_version) if version is None else version - batch.policy_version  # (B, T)
     # fresh = the whole row, prompt pass included, ran on the trainer's weights (versions only grow along a row: an
     # in-flight update leaves the older weights' KV cache behind the newer tokens, so those are not fresh)
@@ -468,7 +480,6 @@ def score_trainer(batch: Rollout, policy, critic, cfg: Config, row_order=None, v
                         "behav_prox_max_diff": float(torch.where(mask, batch.old_logprobs - batch.behav_logprobs,
                                                                  0.0).abs().max()),  # sampler/trainer mismatch
                         "tokens_dropped": int((mask & ~batch.loss_mask.bool()).sum())}
-    return kl
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -687,6 +698,9 @@ def train(cfg: Config, run, output_dir: str, threaded=None, ctx: Dist = Dist()):
         window = time.time()  # an iteration's window: from the end of the last one to the end of this one
         t_start = window - elapsed
         tracer.take()
+        # Versions: version v = the weights after v updates. The producer samples batch i with version >= i -
+        # max_staleness (Producer waits for it); the trainer scores and updates with version step - 1, then publishes
+        # version step, which the sampler pulls before its next batch (or decode step, with --inflight-updates).
         for step in range(start + 1, cfg.steps + 1):
             batch = producer.get()
             with tracer.span("score: old log-probs, values", "trainer"):
