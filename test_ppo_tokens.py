@@ -1433,15 +1433,6 @@ def test_batch_sizes_are_checked_against_the_world_size(monkeypatch, capsys):
     assert "--device cuda:1: under torchrun each rank uses cuda:LOCAL_RANK" in capsys.readouterr().err
 
 
-if __name__ == "__main__":  # torchrun test_ppo_tokens.py OUT: the two-rank half of the world-size test above
-    ctx = pt.init_distributed(pt.Config(device="cpu"))
-    advantages, stats, weights = first_iteration(ctx.world, ctx.rank)
-    if ctx.rank == 0:
-        torch.save({"advantages": advantages, "stats": stats, "weights": weights}, sys.argv[1])
-    torch.distributed.destroy_process_group()
-
-
-
 @pytest.mark.parametrize("family,dtype,top_k,compiled", [("llama", torch.float64, 0, False), ("llama", torch.float32, 5, False),
                                                          ("gpt2", torch.float64, 0, False), ("sliding", torch.float64, 0, False),
                                                          ("llama", torch.float32, 0, True)])
@@ -1621,7 +1612,6 @@ def test_packed_training_matches_padded_training(tokenizer, monkeypatch):
         assert abs(sa[k] - sb[k]) < 1e-4, k
     for x, y in zip(wa, wb):
         torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-5)
-
 
 
 def test_gradient_checkpointing_and_bf16_autocast_keep_the_update(tokenizer):
@@ -1831,3 +1821,12 @@ def test_cuda_triton_kernels_at_full_scale_against_float64(monkeypatch):
         close(ent[rows], want[1], rtol=1e-4, atol=1e-4, what=f"linear entropy rows {start}+")
         assert rel(d_hidden[rows], want_h) < 1e-4, start
     assert rel(d_weight, want_d_weight) < 1e-4
+
+
+if __name__ == "__main__":  # torchrun test_ppo_tokens.py OUT: the two-rank half of
+    # test_whitening_and_the_first_update_do_not_depend_on_the_world_size
+    ctx = pt.init_distributed(pt.Config(device="cpu"))
+    advantages, stats, weights = first_iteration(ctx.world, ctx.rank)
+    if ctx.rank == 0:
+        torch.save({"advantages": advantages, "stats": stats, "weights": weights}, sys.argv[1])
+    torch.distributed.destroy_process_group()
