@@ -676,7 +676,8 @@ def train(cfg: Config, run, output_dir: str, threaded=None, ctx: Dist = Dist()):
         return path
 
     def evaluate_now():  # the demo's held-out accuracy of the trainer's current (last published) weights
-        return evaluate(evaluator or policy, tokenizer, run.eval_ids, run.eval_texts, cfg, eval_seed)
+        model = policy if evaluator is None else evaluator
+        return evaluate(model, tokenizer, run.eval_ids, run.eval_texts, cfg, eval_seed)
 
     stop_signal = []  # the first SIGINT/SIGTERM ends the run after the current iteration, with a checkpoint
 
