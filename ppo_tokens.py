@@ -600,208 +600,57 @@ def ppo_update(policy, critic, policy_opt, critic_opt, batch: Rollout, cfg: Conf
 
 
 def train(cfg: Config, run, output_dir: str, threaded=None, ctx: Dist = Dist()):
-    """The loop: the producer samples and scores with the frozen models, the trainer scores with the current weights
-    and updates. threaded=None: a sampler thread iff --max-staleness > 0 or --inflight-updates (at staleness 0 the
-    thread gives the inline loop's result to the bit). A --resume at staleness 0 ends at the uninterrupted run's
-    weights: prompt order, generators, optimizers and schedules all resume exactly."""
-    policy, tokenizer, device = run.policy, run.tokenizer, run.policy.device
-    sampler_dtype = torch.bfloat16 if device.type == "cuda" else policy.dtype  # inference copy: bf16 on GPU
-    sampler = cast_parameters(copy.deepcopy(policy), sampler_dtype).requires_grad_(False)
-    sharded = cfg.fsdp and torch.distributed.is_initialized()
-    # FSDP2: the demo evaluates a full copy of its own, not the sampler, which its thread uses and updates
-    evaluator = copy.deepcopy(sampler) if sharded and run.eval_ids is not None and ctx.rank == 0 else None
-    sync = WeightSync(policy, sampler, sharded)  # packs the weights
-    if evaluator is not None:  # its parameters become views of the published weights, which only this thread writes
-        torch.nn.utils.vector_to_parameters(sync.staging, evaluator.parameters())
-    for model in (policy, run.critic) if cfg.gradient_checkpointing else ():  # (not the sampler copy, made above)
-        checkpoint_layers(model)
-    if cfg.bf16:
-        fp32_head(policy)
-    actor = wrap_for_training(Actor(policy, cfg.temperature, cfg.full_logits, run.vocab), cfg)
-    critic = wrap_for_training(run.critic, cfg)
-    policy_opt, critic_opt, schedules = make_optimizers(cfg, actor, critic)
-    # the same prompt order on every rank, each taking its slice; sampling differs per rank (a seed offset)
-    rank_rows = slice(ctx.rank * cfg.batch_size // ctx.world, (ctx.rank + 1) * cfg.batch_size // ctx.world)
-    sample_generator = torch.Generator(device).manual_seed(cfg.seed + 1_000_003 * ctx.rank)
-    shuffle_generator = torch.Generator().manual_seed(cfg.seed + 1)
-    eval_seed = cfg.seed + 2
-    start, history, first_accuracy, last_checkpoint, elapsed = 0, [], None, None, 0.0
-    if cfg.resume:
-        state = load_checkpoint(cfg.resume, actor, critic, (policy_opt, critic_opt), schedules, ctx)
-        start, first_accuracy, elapsed, last_checkpoint = state["step"], state["first_accuracy"], state["time_s"], cfg.resume
-        sample_generator.set_state(state["sampler_rng"])
-        shuffle_generator.set_state(state["shuffle_rng"])
-        history = restore_metrics(output_dir, start) if ctx.rank == 0 else []
-        for newer in [c for c in checkpoints(output_dir) if c > cfg.resume] if ctx.rank == 0 else []:  # step-N sorts
-            os.replace(newer, os.path.join(os.path.dirname(newer), f".abandoned-{os.path.basename(newer)}-{time.strftime('%Y%m%d-%H%M%S')}"))
-            print(f"resume: set aside {newer}, newer than the checkpoint resumed from (now .abandoned-*)")
-        print(f"resumed from {cfg.resume} after iteration {start}/{cfg.steps}")
-    sync.publish(start)  # the sampler starts from the trainer's (maybe just loaded) weights, as version `start`
-    sync.pull()
-    if ctx.rank == 0:
-        write_json(dataclasses.asdict(cfg), os.path.join(output_dir, "config.json"))  # the config actually used
-    logger, tracer = Logger(cfg, output_dir, enabled=ctx.rank == 0), Tracer(cfg.trace if ctx.rank == 0 else "")
-    order = prompt_order(len(run.prompt_ids), cfg.seed, start=start * cfg.batch_size)
-    longest = max(map(len, run.prompt_ids)) + cfg.response_length
-    threaded = (cfg.max_staleness > 0 or cfg.inflight_updates) if threaded is None else threaded
-    decoder = fast_decoder(sampler, rank_rows.stop - rank_rows.start, longest, cfg.compile_sampler,
-                           threads=1 if threaded and sampler.device.type == "cpu" else 0) if cfg.static_cache else sampler
-
-    def make_batch(i, stop):  # the producer: sample batch i, score it with the frozen models
-        def between_steps():  # between decode steps: stop promptly on shutdown; take new weights if in-flight
-            if stop.is_set():
-                raise InterruptedError("the run is stopping")
-            return sync.pull() if cfg.inflight_updates else version
-
-        with tracer.span("generate", "sampler"):
-            t0, version = time.perf_counter(), sync.pull()
-            rows = [next(order) for _ in range(cfg.batch_size)][rank_rows]
-            ids, mask = left_pad([run.prompt_ids[r] for r in rows], tokenizer.pad_token_id, device)
-            batch = generate(decoder, ids, mask, **sampling_args(cfg, run), generator=sample_generator,
-                             policy_version=version, between_steps=between_steps)
-            batch.prompts, batch.completions = [run.prompt_texts[r] for r in rows], decode_completions(tokenizer, batch)
-            batch.gen_s, batch.sampler_rng = time.perf_counter() - t0, sample_generator.get_state()  # (for a checkpoint)
-        with tracer.span("score: reference, reward", "sampler"):
-            score_frozen(batch, run.reference, run.reward_fn, cfg)
-            if device.type == "cuda":
-                torch.cuda.current_stream().synchronize()  # the batch is complete before the trainer's stream reads it
-        return batch
-
-    def checkpoint(step, batch):
-        state = {"step": step, "first_accuracy": first_accuracy, "time_s": time.time() - t_start,
-                 "shuffle_rng": shuffle_generator.get_state(), "schedules": [s.state_dict() for s in schedules]}
-        path = save_checkpoint(output_dir, step, actor, critic, (policy_opt, critic_opt), tokenizer, state,
-                               {"sampler_rng": batch.sampler_rng}, cfg, ctx)
-        print(f"checkpoint: {path}", flush=True)
-        return path
-
-    def evaluate_now():  # the demo's held-out accuracy of the trainer's current (last published) weights
-        model = policy if evaluator is None else evaluator
-        return evaluate(model, tokenizer, run.eval_ids, run.eval_texts, cfg, eval_seed)
-
-    stop_signal = []  # the first SIGINT/SIGTERM ends the run after the current iteration, with a checkpoint
-
-    def on_signal(signum, frame):
-        if stop_signal:
-            raise KeyboardInterrupt  # a second one: abandon the iteration now
-        stop_signal.append(signal.Signals(signum).name)
-        print(f"\n{stop_signal[0]}: finishing this iteration, then a checkpoint (send it again to abandon)", flush=True)
-
-    in_main = threading.current_thread() is threading.main_thread()
-    handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)} if in_main else {}
-    producer, bad_steps = None, 0
-    try:
-        if run.eval_ids is not None and not cfg.resume and ctx.rank == 0:
-            first_accuracy = evaluate_now()
-            logger.log({"step": 0, "eval_accuracy": first_accuracy, "time_s": 0.0})
-            print(f"held-out sampled accuracy before PPO: {first_accuracy:.3f}")
-        producer = Producer(make_batch, sync, tracer, cfg.max_staleness, start, cfg.steps, threaded)
-        window = time.time()  # an iteration's window: from the end of the last one to the end of this one
-        t_start = window - elapsed
-        tracer.take()
-        # Versions: version v = the weights after v updates. The producer samples batch i with version >= i -
-        # max_staleness (Producer waits for it); the trainer scores and updates with version step - 1, then publishes
-        # version step, which the sampler pulls before its next batch (or decode step, with --inflight-updates).
-        for step in range(start + 1, cfg.steps + 1):
-            batch = producer.get()
-            with tracer.span("score: old log-probs, values", "trainer"):
-                B = batch.response.shape[0]  # this rank's rows
-                row_orders = [torch.randperm(B, generator=shuffle_generator) for _ in range(cfg.ppo_epochs)]
-                kl = score_trainer(batch, actor, critic, cfg, row_orders[0], version=step - 1)
-                for model in (actor, critic):  # FSDP2: a no-grad forward leaves the root's weights gathered
+    """The loop: the producer samples a batch and scores it with the frozen models; the trainer scores it with the
+    current weights, updates, and publishes the new weights to the sampler. threaded=None: a sampler thread iff
+    --max-staleness > 0 or --inflight-updates (at staleness 0 the thread gives the inline loop's result to the bit).
+    A --resume at staleness 0 ends at the uninterrupted run's weights: prompt order, generators, optimizers and
+    schedules all resume exactly.
+    Versions: version v = the weights after v updates. The producer samples batch i with version >= i - max_staleness
+    (Producer waits for it); the trainer scores and updates with version step - 1, then publishes version step, which
+    the sampler pulls before its next batch (or decode step, with --inflight-updates)."""
+    t = start_training(cfg, run, output_dir, threaded, ctx)  # sampler copy, trained models, optimizers, a resume
+    device = run.policy.device
+    with StopSignal() as stop, contextlib.closing(t):
+        evaluate_before(t)
+        t.producer = Producer(functools.partial(make_batch, t), t.sync, t.tracer, cfg.max_staleness, t.start,
+                              cfg.steps, t.threaded)
+        t.start_clock()
+        for step in range(t.start + 1, cfg.steps + 1):
+            # 1. the next batch: sampled by the sampler, scored by the reference and the reward (make_batch)
+            batch = t.producer.get()
+            # 2. scored with the current weights: old log-probs, values, rewards, GAE, the staleness correction
+            with t.tracer.span("score: old log-probs, values", "trainer"):
+                shuffle = [torch.randperm(len(batch.response), generator=t.shuffle_generator)
+                           for _ in range(cfg.ppo_epochs)]  # each epoch's row order; the first one also scores
+                kl = score_trainer(batch, t.actor, t.critic, cfg, shuffle[0], version=step - 1)
+                for model in (t.actor, t.critic):  # FSDP2: a no-grad forward leaves the root's weights gathered
                     getattr(model, "reshard", lambda: None)()
-                problem = nonfinite(batch)
-                if any_rank(problem is not None, device) and torch.distributed.is_initialized():  # decided together
-                    problems = [None] * ctx.world
-                    torch.distributed.all_gather_object(problems, problem)
-                    problem = "; ".join(f"rank {r}: {p}" for r, p in enumerate(problems) if p)
-            with tracer.span("update", "trainer"):
-                t_update = time.time()
-                lr = schedules[0].get_last_lr()[0]  # the learning rate this update uses
-                stats = ppo_update(actor, critic, policy_opt, critic_opt, batch, cfg, row_orders) if problem is None else {}
+                problem = nonfinite_on_any_rank(batch, t)  # the non-finite guard
+            # 3. the PPO update: --ppo-epochs x --minibatches clipped steps of the policy and the critic
+            with t.tracer.span("update", "trainer"):
+                update_start = time.time()
+                lr = t.schedules[0].get_last_lr()[0]  # the learning rate this update uses
+                stats = ppo_update(t.actor, t.critic, *t.optimizers, batch, cfg, shuffle) if problem is None else {}
                 problem = problem or stats.get("nonfinite")
-                for schedule in schedules:
+                for schedule in t.schedules:
                     schedule.step()
-                update_s = time.time() - t_update
-            with tracer.span("publish weights", "trainer"):
-                sync.publish(step)
-                sync_ms = sync.sync_ms()
-            if problem is not None:  # the non-finite guard: this update is skipped, the weights stay finite
-                bad_steps += 1
-                logger.log({"step": step, "skipped_update": f"non-finite {problem}", "time_s": time.time() - t_start})
-                print(f"it {step:>4}/{cfg.steps} | update skipped: non-finite {problem} | "
-                      f"{bad_steps}/{cfg.max_bad_steps} in a row", flush=True)
-                if bad_steps >= cfg.max_bad_steps:
-                    raise SystemExit(f"stopping: {bad_steps} consecutive updates skipped for non-finite values (last: "
-                                     f"{problem}); the last good checkpoint is {last_checkpoint or 'none (--save-every 0)'}")
+                update_s = time.time() - update_start
+            # 4. the new weights become version `step`; the sampler pulls them before its next batch
+            with t.tracer.span("publish weights", "trainer"):
+                t.sync.publish(step)
+                sync_ms = t.sync.sync_ms()
+            # 5. log the iteration (or count a skipped update), evaluate, checkpoint
+            if problem is not None:
+                skip_update(t, step, problem)
             else:
-                bad_steps = 0
-                accuracy = None
-                if run.eval_ids is not None and (step % cfg.eval_every == 0 or step == cfg.steps) and ctx.rank == 0:
-                    with tracer.span("evaluate", "trainer"):
-                        accuracy = evaluate_now()
-                now = time.time()
-                record = reduce_record(iteration_record(step, batch, kl, stats, cfg, now - window, batch.gen_s, update_s,
-                                                        tracer.take(), sync_ms, lr), ctx.world)
-                window, record["time_s"] = now, now - t_start
-                record.update({} if accuracy is None else {"eval_accuracy": accuracy})  # rank 0's, after the reduction
-                logger.log(record)
-                history.append(record)
-                print(format_line(record, cfg.steps), flush=True)
-                if cfg.sample_every and (step % cfg.sample_every == 0 or step == 1):
-                    for p, c, s in zip(batch.prompts[:3], batch.completions[:3], batch.scores[:3].tolist()):
-                        print(f"    {p!r} -> {c!r}  (score {s:.2f})")
+                log_iteration(t, step, batch, kl, stats, lr, update_s, sync_ms)
                 if cfg.save_every and (step % cfg.save_every == 0 or step == cfg.steps):
-                    last_checkpoint = checkpoint(step, batch)
-            if any_rank(bool(stop_signal), device):  # every rank stops after the same iteration
-                if not str(last_checkpoint).endswith(f"step-{step:08d}"):  # (not just written by --save-every)
-                    last_checkpoint = checkpoint(step, batch)
-                stop_signal = stop_signal or ["a signal to another rank"]
-                print(f"stopped by {stop_signal[0]} after iteration {step}/{cfg.steps}; continue with: "
-                      f"{'python' if ctx.world == 1 else f'torchrun --nproc_per_node {ctx.world}'} ppo_tokens.py --resume "
-                      f"{last_checkpoint}")
-                return history
-    finally:
-        if producer is not None:
-            producer.close()
-        for s, handler in handlers.items():
-            signal.signal(s, handler)
-        tracer.write()
-        logger.close()
-    policy_state = {k.removeprefix("policy."): v for k, v in full_state(actor).items()}
-    if ctx.rank == 0:
-        save_policy(policy, tokenizer, os.path.join(output_dir, "policy"), policy_state)
-    if torch.distributed.is_initialized():  # DDP must keep the ranks' weights identical: check it, bit for bit
-        digests = [None] * ctx.world
-        digest = hashlib.sha256()
-        for chunk in sync.staging.split(1 << 26):  # 64M values at a time: no full host copy, no cast
-            digest.update(chunk.view(torch.uint8).cpu().numpy().tobytes())
-        torch.distributed.all_gather_object(digests, digest.hexdigest()[:16])
-        print(f"actor weights (sha256 of the gathered weights) on each rank: {' '.join(digests)}")
-        if len(set(digests)) > 1:
-            raise SystemExit(f"the ranks' actor weights differ ({digests}); the data-parallel update is broken")
-    summarize(history, first_accuracy, output_dir)
-    return history
-
-
-def iteration_record(step, batch: Rollout, kl, stats, cfg: Config, iter_s, gen_s, update_s, busy, sync_ms, lr):
-    response_tokens = int(batch.response_mask.sum())
-    sequence_tokens = response_tokens + int(batch.prompt_mask.sum())
-    trainer_busy, sampler_busy = busy.get("trainer_busy_s", 0.0), busy.get("sampler_busy_s", 0.0)
-    return {"step": step, "reward_mean": float(batch.raw_scores.mean()),
-            "kl": float(kl.sum(-1).mean()), "kl_per_token": float(masked_mean(kl, batch.response_mask)), **stats,
-            "explained_variance": float(explained_variance(batch.values, batch.returns, batch.response_mask)),
-            "response_length": response_tokens / batch.response.shape[0], "response_tokens": response_tokens,
-            # the share of a padded (B, P + T) forward that is padding: what --micro-batch-tokens does not compute
-            "padding_frac": 1.0 - sequence_tokens / (batch.response.shape[0] * (batch.prompt_ids.shape[1] + batch.response.shape[1])),
-            "eos_fraction": float(batch.ended.float().mean()), "lr": lr, **batch.correction,
-            "iter_s": iter_s, "gen_tokens_per_s": response_tokens / gen_s,
-            "train_tokens_per_s": cfg.ppo_epochs * sequence_tokens / update_s,
-            "tokens_per_s": response_tokens / iter_s,  # end to end: what the overlap buys
-            **{f"{side}_{what}_s": busy.get(f"{side}_{what}_s", 0.0) for side in ("trainer", "sampler") for what in ("busy", "wait")},
-            "trainer_idle_frac": max(0.0, 1.0 - trainer_busy / iter_s),
-            "overlap_frac": max(0.0, trainer_busy + sampler_busy - iter_s) / iter_s,  # both busy at once
-            "weight_sync_ms": sync_ms}
+                    save_training(t, step, batch)
+            # 6. a SIGINT / SIGTERM to any rank: every rank stops after this iteration, with a checkpoint
+            if any_rank(stop.name is not None, device):
+                return stop_after(t, step, batch, stop)
+    finish_training(t)
+    return t.history
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1563,6 +1412,262 @@ class Producer:
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# the loop's bookkeeping: start-up and resume, the producer's batches, the stop signal, the non-finite guard, logging
+
+
+@dataclass
+class Training:
+    """What train() carries from one iteration to the next; start_training builds it."""
+    cfg: Config
+    run: object  # setup()'s models, tokenizer, prompts and reward
+    ctx: Dist
+    output_dir: str
+    actor: nn.Module  # Actor(policy), wrapped in DDP / FSDP2 under torchrun
+    critic: nn.Module  # wrapped likewise
+    optimizers: tuple  # (the policy's AdamW, the critic's)
+    schedules: list  # their learning-rate schedules
+    sync: object  # WeightSync: trainer -> sampler weights
+    evaluator: nn.Module  # what the demo evaluates: the policy, or under FSDP2 a full copy of the published weights
+    rank_rows: slice  # this rank's rows of every batch
+    sample_generator: torch.Generator  # sampling, offset per rank
+    shuffle_generator: torch.Generator  # minibatch row orders
+    threaded: bool  # the producer samples in a thread of its own
+    start: int = 0  # iterations done before this process (a resume)
+    elapsed: float = 0.0  # seconds of run time before this process
+    first_accuracy: float = None  # the demo's held-out accuracy before PPO
+    last_checkpoint: str = None
+    history: list = field(default_factory=list)  # the iteration records
+    bad_steps: int = 0  # consecutive updates skipped for non-finite values
+    order: object = None  # the prompt order: an endless iterator of prompt indices
+    decoder: object = None  # what the sampler generates with (fast_decoder)
+    logger: object = None
+    tracer: object = None
+    producer: object = None
+    run_start: float = 0.0  # time.time() at which the run (before a resume included) started
+    window_start: float = 0.0  # the end of the last iteration: an iteration's window ends at the end of the next
+
+    def start_clock(self):
+        self.window_start = time.time()
+        self.run_start = self.window_start - self.elapsed
+        self.tracer.take()
+
+    def close(self):  # on the way out, also on an error or Ctrl-C: stop and join the sampler, write the trace and log
+        if self.producer is not None:
+            self.producer.close()
+        self.tracer.write()
+        self.logger.close()
+
+
+def start_training(cfg: Config, run, output_dir: str, threaded, ctx: Dist) -> Training:
+    """The sampler copy of the policy (bf16 on GPU) and its weight sync; the trained actor and critic (gradient
+    checkpointing, fp32 heads under --bf16, DDP or FSDP2), their optimizers and generators; a resume; the decoder."""
+    policy, device = run.policy, run.policy.device
+    sampler_dtype = torch.bfloat16 if device.type == "cuda" else policy.dtype  # inference copy: bf16 on GPU
+    sampler = cast_parameters(copy.deepcopy(policy), sampler_dtype).requires_grad_(False)
+    sharded = cfg.fsdp and torch.distributed.is_initialized()
+    # FSDP2: the demo evaluates a full copy of its own, not the sampler, which its thread uses and updates
+    evaluator = copy.deepcopy(sampler) if sharded and run.eval_ids is not None and ctx.rank == 0 else None
+    sync = WeightSync(policy, sampler, sharded)  # packs the weights
+    if evaluator is not None:  # its parameters become views of the published weights, which only this thread writes
+        torch.nn.utils.vector_to_parameters(sync.staging, evaluator.parameters())
+    for model in (policy, run.critic) if cfg.gradient_checkpointing else ():  # (not the sampler copy, made above)
+        checkpoint_layers(model)
+    if cfg.bf16:
+        fp32_head(policy)
+    actor = wrap_for_training(Actor(policy, cfg.temperature, cfg.full_logits, run.vocab), cfg)
+    critic = wrap_for_training(run.critic, cfg)
+    policy_opt, critic_opt, schedules = make_optimizers(cfg, actor, critic)
+    # the same prompt order on every rank, each taking its slice; sampling differs per rank (a seed offset)
+    rank_rows = slice(ctx.rank * cfg.batch_size // ctx.world, (ctx.rank + 1) * cfg.batch_size // ctx.world)
+    threaded = (cfg.max_staleness > 0 or cfg.inflight_updates) if threaded is None else threaded
+    t = Training(cfg, run, ctx, output_dir, actor, critic, (policy_opt, critic_opt), schedules, sync,
+                 evaluator if evaluator is not None else policy, rank_rows,
+                 torch.Generator(device).manual_seed(cfg.seed + 1_000_003 * ctx.rank),
+                 torch.Generator().manual_seed(cfg.seed + 1), threaded)
+    if cfg.resume:
+        resume_training(t)
+    sync.publish(t.start)  # the sampler starts from the trainer's (maybe just loaded) weights, as version `start`
+    sync.pull()
+    if ctx.rank == 0:
+        write_json(dataclasses.asdict(cfg), os.path.join(output_dir, "config.json"))  # the config actually used
+    t.logger = Logger(cfg, output_dir, enabled=ctx.rank == 0)
+    t.tracer = Tracer(cfg.trace if ctx.rank == 0 else "")
+    t.order = prompt_order(len(run.prompt_ids), cfg.seed, start=t.start * cfg.batch_size)
+    longest = max(map(len, run.prompt_ids)) + cfg.response_length
+    t.decoder = sampler
+    if cfg.static_cache:
+        cpu_thread = threaded and sampler.device.type == "cpu"  # the sampler thread runs one intra-op thread
+        t.decoder = fast_decoder(sampler, rank_rows.stop - rank_rows.start, longest, cfg.compile_sampler,
+                                 threads=1 if cpu_thread else 0)
+    return t
+
+
+def resume_training(t: Training):
+    """--resume: the checkpoint's weights, optimizer states and schedules (load_checkpoint), its generators, metrics
+    and run time. Checkpoints newer than the one resumed from are set aside: this run writes its own."""
+    cfg = t.cfg
+    state = load_checkpoint(cfg.resume, t.actor, t.critic, t.optimizers, t.schedules, t.ctx)
+    t.start = state["step"]
+    t.first_accuracy = state["first_accuracy"]
+    t.elapsed = state["time_s"]
+    t.last_checkpoint = cfg.resume
+    t.sample_generator.set_state(state["sampler_rng"])
+    t.shuffle_generator.set_state(state["shuffle_rng"])
+    if t.ctx.rank == 0:
+        t.history = restore_metrics(t.output_dir, t.start)
+        for newer in [c for c in checkpoints(t.output_dir) if c > cfg.resume]:  # step-N names sort by step
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            os.replace(newer, os.path.join(os.path.dirname(newer), f".abandoned-{os.path.basename(newer)}-{stamp}"))
+            print(f"resume: set aside {newer}, newer than the checkpoint resumed from (now .abandoned-*)")
+    print(f"resumed from {cfg.resume} after iteration {t.start}/{cfg.steps}")
+
+
+def make_batch(t: Training, i: int, stop: threading.Event) -> Rollout:
+    """The producer's work for batch i (in the sampler thread when the loop overlaps): take the newest published
+    weights, sample this rank's rows of the next --batch-size prompts, and score them with the frozen models."""
+    cfg, run = t.cfg, t.run
+    with t.tracer.span("generate", "sampler"):
+        t0 = time.perf_counter()
+        version = t.sync.pull()
+        rows = [next(t.order) for _ in range(cfg.batch_size)][t.rank_rows]
+        ids, mask = left_pad([run.prompt_ids[r] for r in rows], run.tokenizer.pad_token_id, run.policy.device)
+        batch = generate(t.decoder, ids, mask, **sampling_args(cfg, run), generator=t.sample_generator,
+                         policy_version=version, between_steps=functools.partial(next_version, t, stop, version))
+        batch.prompts = [run.prompt_texts[r] for r in rows]
+        batch.completions = decode_completions(run.tokenizer, batch)
+        batch.gen_s = time.perf_counter() - t0
+        batch.sampler_rng = t.sample_generator.get_state()  # the state after this batch, for a checkpoint
+    with t.tracer.span("score: reference, reward", "sampler"):
+        score_frozen(batch, run.reference, run.reward_fn, cfg)
+        if ids.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()  # the batch is complete before the trainer's stream reads it
+    return batch
+
+
+def next_version(t: Training, stop: threading.Event, version: int) -> int:
+    """generate()'s between_steps: stop promptly when the run stops; the policy version of the next token (the
+    newest published one with --inflight-updates)."""
+    if stop.is_set():
+        raise InterruptedError("the run is stopping")
+    return t.sync.pull() if t.cfg.inflight_updates else version
+
+
+def evaluate_policy(t: Training) -> float:  # the demo's held-out accuracy of the last published weights
+    return evaluate(t.evaluator, t.run.tokenizer, t.run.eval_ids, t.run.eval_texts, t.cfg, t.cfg.seed + 2)
+
+
+def evaluate_before(t: Training):  # the demo's accuracy before PPO (not again on a resume)
+    if t.run.eval_ids is not None and not t.cfg.resume and t.ctx.rank == 0:
+        t.first_accuracy = evaluate_policy(t)
+        t.logger.log({"step": 0, "eval_accuracy": t.first_accuracy, "time_s": 0.0})
+        print(f"held-out sampled accuracy before PPO: {t.first_accuracy:.3f}")
+
+
+def nonfinite_on_any_rank(batch: Rollout, t: Training):
+    """The non-finite guard's check of a scored batch (nonfinite), decided by all ranks together: None, or what is
+    NaN or inf where."""
+    problem = nonfinite(batch)
+    if any_rank(problem is not None, batch.response.device) and torch.distributed.is_initialized():
+        problems = [None] * t.ctx.world
+        torch.distributed.all_gather_object(problems, problem)
+        problem = "; ".join(f"rank {r}: {p}" for r, p in enumerate(problems) if p)
+    return problem
+
+
+def skip_update(t: Training, step: int, problem: str):  # the non-finite guard: the weights stay finite
+    t.bad_steps += 1
+    t.logger.log({"step": step, "skipped_update": f"non-finite {problem}", "time_s": time.time() - t.run_start})
+    print(f"it {step:>4}/{t.cfg.steps} | update skipped: non-finite {problem} | "
+          f"{t.bad_steps}/{t.cfg.max_bad_steps} in a row", flush=True)
+    if t.bad_steps >= t.cfg.max_bad_steps:
+        raise SystemExit(f"stopping: {t.bad_steps} consecutive updates skipped for non-finite values (last: "
+                         f"{problem}); the last good checkpoint is {t.last_checkpoint or 'none (--save-every 0)'}")
+
+
+def log_iteration(t: Training, step: int, batch: Rollout, kl, stats: dict, lr: float, update_s: float, sync_ms):
+    """After a good update: evaluate (the demo), log the iteration's record reduced over ranks, print its line and,
+    every --sample-every iterations, a few completions."""
+    cfg = t.cfg
+    t.bad_steps = 0
+    accuracy = None
+    if t.run.eval_ids is not None and (step % cfg.eval_every == 0 or step == cfg.steps) and t.ctx.rank == 0:
+        with t.tracer.span("evaluate", "trainer"):
+            accuracy = evaluate_policy(t)
+    now = time.time()
+    timing = dict(iter_s=now - t.window_start, gen_s=batch.gen_s, update_s=update_s, busy=t.tracer.take(),
+                  sync_ms=sync_ms)
+    record = reduce_record(iteration_record(step, batch, kl, stats, cfg, lr, **timing), t.ctx.world)
+    t.window_start = now
+    record["time_s"] = now - t.run_start
+    if accuracy is not None:  # rank 0's, after the reduction
+        record["eval_accuracy"] = accuracy
+    t.logger.log(record)
+    t.history.append(record)
+    print(format_line(record, cfg.steps), flush=True)
+    if cfg.sample_every and (step % cfg.sample_every == 0 or step == 1):
+        for p, c, s in zip(batch.prompts[:3], batch.completions[:3], batch.scores[:3].tolist()):
+            print(f"    {p!r} -> {c!r}  (score {s:.2f})")
+
+
+def save_training(t: Training, step: int, batch: Rollout):  # a checkpoint after iteration `step`, on every rank
+    state = {"step": step, "first_accuracy": t.first_accuracy, "time_s": time.time() - t.run_start,
+             "shuffle_rng": t.shuffle_generator.get_state(), "schedules": [s.state_dict() for s in t.schedules]}
+    t.last_checkpoint = save_checkpoint(t.output_dir, step, t.actor, t.critic, t.optimizers, t.run.tokenizer, state,
+                                        {"sampler_rng": batch.sampler_rng}, t.cfg, t.ctx)
+    print(f"checkpoint: {t.last_checkpoint}", flush=True)
+
+
+class StopSignal:
+    """The first SIGINT / SIGTERM ends the run after the current iteration, with a checkpoint; a second one abandons
+    the iteration (KeyboardInterrupt). Handlers are installed only in the main thread, and restored on exit."""
+
+    def __init__(self):
+        self.name, self.handlers = None, {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self.handlers = {s: signal.signal(s, self.received) for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def received(self, signum, frame):
+        if self.name is not None:
+            raise KeyboardInterrupt  # a second one: abandon the iteration now
+        self.name = signal.Signals(signum).name
+        print(f"\n{self.name}: finishing this iteration, then a checkpoint (send it again to abandon)", flush=True)
+
+    def __exit__(self, *exc):
+        for s, handler in self.handlers.items():
+            signal.signal(s, handler)
+
+
+def stop_after(t: Training, step: int, batch: Rollout, stop: StopSignal) -> list:
+    if not str(t.last_checkpoint).endswith(f"step-{step:08d}"):  # (not just written by --save-every)
+        save_training(t, step, batch)
+    launcher = "python" if t.ctx.world == 1 else f"torchrun --nproc_per_node {t.ctx.world}"
+    print(f"stopped by {stop.name or 'a signal to another rank'} after iteration {step}/{t.cfg.steps}; continue "
+          f"with: {launcher} ppo_tokens.py --resume {t.last_checkpoint}")
+    return t.history
+
+
+def finish_training(t: Training):
+    """The end of a run: the policy saved as an HF model (output_dir/policy); under torchrun a bit-for-bit check that
+    every rank holds the same weights (sha256 of the published weights); the summary."""
+    policy_state = {k.removeprefix("policy."): v for k, v in full_state(t.actor).items()}
+    if t.ctx.rank == 0:
+        save_policy(t.run.policy, t.run.tokenizer, os.path.join(t.output_dir, "policy"), policy_state)
+    if torch.distributed.is_initialized():
+        digest = hashlib.sha256()
+        for chunk in t.sync.staging.split(1 << 26):  # 64M values at a time: no full host copy, no cast
+            digest.update(chunk.view(torch.uint8).cpu().numpy().tobytes())
+        digests = [None] * t.ctx.world
+        torch.distributed.all_gather_object(digests, digest.hexdigest()[:16])
+        print(f"actor weights (sha256 of the gathered weights) on each rank: {' '.join(digests)}")
+        if len(set(digests)) > 1:
+            raise SystemExit(f"the ranks' actor weights differ ({digests}); the data-parallel update is broken")
+    summarize(t.history, t.first_accuracy, t.output_dir)
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # logging and checkpoints
 
 
@@ -1770,19 +1875,53 @@ def format_line(r: dict, steps: int) -> str:
             f" | train {r['train_tokens_per_s']:.0f} tok/s | idle {r['trainer_idle_frac']:.0%} | {r['iter_s']:.2f}s")
 
 
-def reduce_record(record: dict, world: int) -> dict:
-    """The logged scalars over all ranks: token counts and throughputs summed, maxima maxed, the rest averaged
-    (every rank holds the same number of rows, so row means average exactly; token means are averages of ranks')."""
+def iteration_record(step, batch: Rollout, kl, stats: dict, cfg: Config, lr, iter_s, gen_s, update_s, busy, sync_ms):
+    """One iteration's logged scalars: metrics.jsonl and wandb. reduce_record combines them over the ranks."""
+    B, P, T = batch.response.shape[0], batch.prompt_ids.shape[1], batch.response.shape[1]
+    response_tokens = int(batch.response_mask.sum())
+    sequence_tokens = response_tokens + int(batch.prompt_mask.sum())
+    trainer_busy = busy.get("trainer_busy_s", 0.0)
+    sampler_busy = busy.get("sampler_busy_s", 0.0)
+    return {"step": step,
+            "reward_mean": float(batch.raw_scores.mean()),
+            "kl": float(kl.sum(-1).mean()),
+            "kl_per_token": float(masked_mean(kl, batch.response_mask)),
+            **stats,  # ppo_update's losses, clip fractions, approx_kl, entropy, grad norms
+            "explained_variance": float(explained_variance(batch.values, batch.returns, batch.response_mask)),
+            "response_length": response_tokens / B,
+            "response_tokens": response_tokens,
+            # the share of a padded (B, P + T) forward that is padding: what --micro-batch-tokens does not compute
+            "padding_frac": 1.0 - sequence_tokens / (B * (P + T)),
+            "eos_fraction": float(batch.ended.float().mean()),
+            "lr": lr,
+            **batch.correction,  # off_policy_correction's staleness and importance-weight statistics
+            "iter_s": iter_s,
+            "gen_tokens_per_s": response_tokens / gen_s,
+            "train_tokens_per_s": cfg.ppo_epochs * sequence_tokens / update_s,
+            "tokens_per_s": response_tokens / iter_s,  # end to end: what the overlap buys
+            **{f"{side}_{what}_s": busy.get(f"{side}_{what}_s", 0.0)
+               for side in ("trainer", "sampler") for what in ("busy", "wait")},
+            "trainer_idle_frac": max(0.0, 1.0 - trainer_busy / iter_s),
+            "overlap_frac": max(0.0, trainer_busy + sampler_busy - iter_s) / iter_s,  # both busy at once
+            "weight_sync_ms": sync_ms}
+
+
+# How reduce_record combines a logged scalar over the ranks: summed (token counts and throughputs), maxed (maxima),
+# any other averaged (every rank holds as many rows, so row means average exactly; token means average the ranks').
+SUMMED_METRICS = ("response_tokens", "tokens_dropped", "gen_tokens_per_s", "train_tokens_per_s", "tokens_per_s")
+MAXED_METRICS = ("staleness_max", "is_weight_max", "behav_prox_max_diff", "first_ratio_max_dev")
+
+
+def reduce_record(record: dict, world: int) -> dict:  # the logged scalars over all ranks, as declared above
     if not torch.distributed.is_initialized():
         return record
     names = [k for k, v in record.items() if isinstance(v, (int, float)) and k != "step"]
-    maxed = [k for k in names if k.endswith("_max") or k in ("behav_prox_max_diff", "first_ratio_max_dev")]
+    maxed = [k for k in names if k in MAXED_METRICS]
+    device = "cuda" if torch.distributed.get_backend() == "nccl" else "cpu"
     for op, keys in (("sum", [k for k in names if k not in maxed]), ("max", maxed)):
-        values = all_reduce(torch.tensor([float(record[k]) for k in keys], dtype=torch.float64,
-                                         device="cuda" if torch.distributed.get_backend() == "nccl" else "cpu"), op)
+        values = all_reduce(torch.tensor([float(record[k]) for k in keys], dtype=torch.float64, device=device), op)
         for k, v in zip(keys, values.tolist()):
-            summed = op == "max" or k in ("response_tokens", "tokens_dropped") or k.endswith("tokens_per_s")
-            record[k] = v if summed else v / world
+            record[k] = v if op == "max" or k in SUMMED_METRICS else v / world
     return record
 
 
