@@ -53,7 +53,305 @@ def demo_rollout(tokenizer, policy, texts, temperature=1.0, top_k=0, top_p=1.0, 
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# GAE, rewards, KL, whitening, losses: against hand-computed values and textbook formulas
+# rollout: generate, sampling, stop ids, the pad token, left padding, behaviour log-probs
+# (the algorithm first, in ppo_tokens.py's reading order; then the plumbing, from the set-up and models on)
+
+
+class ScriptedLM(torch.nn.Module):
+    """A stand-in sampler whose step-t logits force script[b][t]; it records the position ids it is given."""
+
+    def __init__(self, script, vocab_size):
+        super().__init__()
+        self.script, self.V, self.seen_positions, self.calls = torch.tensor(script), vocab_size, [], 0
+
+    def forward(self, input_ids, attention_mask, position_ids, cache=None, use_cache=None):
+        self.seen_positions.append(position_ids.clone())
+        logits = torch.full((input_ids.shape[0], input_ids.shape[1], self.V), -30.0)
+        logits[torch.arange(input_ids.shape[0]), -1, self.script[:, self.calls]] = 30.0
+        self.calls += 1
+        return SimpleNamespace(logits=logits, cache=cache)
+
+
+def test_generate_stops_per_row_at_eos_pads_after_and_keeps_eos_in_mask(tokenizer):
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    d = {c: tokenizer.convert_tokens_to_ids(c) for c in "0123456789"}
+    script = [[d["4"], eos, d["1"], d["1"], d["1"]],  # ends early: EOS at t=1
+              [d["1"], d["2"], d["3"], d["4"], d["5"]],  # never emits EOS
+              [eos, d["7"], d["7"], d["7"], d["7"]]]  # EOS first
+    lm = ScriptedLM(script, len(tokenizer))
+    texts = ["1+2=", "37+45=", "9+9="]  # ragged prompt lengths -> left padding
+    ids, mask = pt.left_pad(pt.format_prompts(tokenizer, texts, False, 64), pad, "cpu")
+    batch = pt.generate(lm, ids, mask, max_new_tokens=5, temperature=1.0, stop_ids=eos, pad_id=pad,
+                        generator=torch.Generator().manual_seed(0), policy_version=3)
+    assert batch.response.tolist() == [[d["4"], eos, pad, pad, pad], [d["1"], d["2"], d["3"], d["4"], d["5"]],
+                                       [eos, pad, pad, pad, pad]]
+    assert batch.response_mask.tolist() == [[1, 1, 0, 0, 0], [1] * 5, [1, 0, 0, 0, 0]]  # EOS is a real token
+    assert batch.ended.tolist() == [True, False, True]
+    assert (batch.behav_logprobs[~batch.response_mask.bool()] == 0).all()
+    assert (batch.policy_version == 3).all()
+    # position ids: cumsum(mask) - 1 over the left-padded prompt, then one more per step
+    assert lm.seen_positions[0].tolist() == [[0, 0, 0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5, 6], [0, 0, 0, 1, 2, 3, 4]]
+    assert lm.seen_positions[1].tolist() == [[5], [7], [5]]
+    assert pt.decode_completions(tokenizer, batch) == ["4", "12345", ""]
+
+
+def test_generate_exits_early_when_every_row_has_ended(tokenizer):
+    eos = tokenizer.eos_token_id
+    lm = ScriptedLM([[eos] * 16, [eos] * 16], len(tokenizer))
+    ids, mask = pt.left_pad([[1, 5], [1, 6]], tokenizer.pad_token_id, "cpu")
+    batch = pt.generate(lm, ids, mask, max_new_tokens=16, temperature=1.0, stop_ids=eos, pad_id=tokenizer.pad_token_id,
+                        generator=torch.Generator())
+    assert batch.response.shape[1] == 4 and lm.calls == 4  # checked every 4 steps, not after all 16
+
+
+def test_sampling_draws_torch_multinomials_tokens_bit_for_bit():
+    for seed, (B, V) in enumerate([(64, 37), (5, 1000), (1, 2)]):
+        logits = torch.randn(B, V, generator=torch.Generator().manual_seed(seed)) * 4
+        logits[:, : V // 3] = float("-inf")  # zero-probability ids, as after top-k / top-p
+        probs = torch.softmax(logits, -1)
+        for draw in range(3):
+            expected = torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(draw)).squeeze(1)
+            assert torch.equal(pt.sample_tokens(probs, torch.Generator().manual_seed(draw)), expected)
+
+
+def test_every_stop_id_of_the_generation_config_ends_a_row(tokenizer):
+    import copy
+    from transformers import GenerationConfig
+    tok, eos, pad = copy.deepcopy(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id
+    eot, d = tok.convert_tokens_to_ids("+"), {c: tok.convert_tokens_to_ids(c) for c in "0123456789"}
+    model = tiny_llama(len(tok), dtype=torch.float32)
+    model.generation_config = GenerationConfig(eos_token_id=[eot, eos])  # a chat model's end-of-turn and EOS
+    stop_ids = pt.stop_token_ids(tok, model)
+    assert stop_ids == sorted([eot, eos])
+    lm = ScriptedLM([[d["4"], eot, d["1"], d["1"]], [d["1"], eos, d["5"], d["5"]], [d["1"]] * 4], len(tok))
+    ids, mask = pt.left_pad([[1, 5], [1, 6], [1, 7]], pad, "cpu")
+    batch = pt.generate(lm, ids, mask, max_new_tokens=4, temperature=1.0, stop_ids=stop_ids, pad_id=pad,
+                        generator=torch.Generator())
+    assert batch.response.tolist() == [[d["4"], eot, pad, pad], [d["1"], eos, pad, pad], [d["1"]] * 4]
+    assert batch.response_mask.tolist() == [[1, 1, 0, 0], [1, 1, 0, 0], [1] * 4]  # the stop token is real
+    assert batch.ended.tolist() == [True, True, False]  # so no missing-EOS penalty for the first two
+    assert pt.decode_completions(tok, batch) == ["4", "1", "1111"]  # the text ends before the stop token
+    rewards = pt.per_token_rewards(torch.ones(3), torch.zeros(3, 4), batch.response_mask, 0.0)
+    assert rewards.tolist() == [[0, 1, 0, 0], [0, 1, 0, 0], [0, 0, 0, 1]]  # the score lands on the stop token
+    tok.pad_token = "+"  # a pad that is a stop id (Qwen's <|endoftext|>) is replaced by one of our own
+    pt.ensure_pad_token(tok, model, stop_ids)
+    assert tok.pad_token == pt.PAD_TOKEN and tok.pad_token_id not in stop_ids
+
+
+def test_pad_token_is_added_when_missing_or_equal_to_eos(tokenizer):
+    import copy
+    tok = copy.deepcopy(tokenizer)
+    tok.pad_token = tok.eos_token  # the common pad = EOS set-up
+    model = tiny_llama(len(tok), dtype=torch.float32)
+    n_rows = model.get_input_embeddings().weight.shape[0]
+    pt.ensure_pad_token(tok, model)
+    assert tok.pad_token_id not in (None, tok.eos_token_id)
+    assert model.get_input_embeddings().weight.shape[0] == max(n_rows, len(tok)) > tok.pad_token_id
+    # and the real EOS of a completion stays in the mask while pads after it do not
+    eos = tok.eos_token_id
+    lm = ScriptedLM([[eos, 5, 5]], len(tok))
+    ids, mask = pt.left_pad([[1, 5]], tok.pad_token_id, "cpu")
+    batch = pt.generate(lm, ids, mask, max_new_tokens=3, temperature=1.0, stop_ids=eos, pad_id=tok.pad_token_id,
+                        generator=torch.Generator())
+    assert batch.response_mask.tolist() == [[1, 0, 0]] and batch.response[0, 1] == tok.pad_token_id != eos
+
+
+def test_our_added_pad_token_is_never_sampled_and_scoring_agrees(tokenizer):
+    import copy
+    tok = copy.deepcopy(tokenizer)
+    tok.pad_token = tok.eos_token  # no pad of its own: ensure_pad_token adds one, a new id past the vocabulary
+    policy = tiny_llama(len(tok), seed=3)
+    vocab = pt.ensure_pad_token(tok, policy)
+    assert vocab == len(tokenizer) == tok.pad_token_id < policy.lm_head.weight.shape[0]
+    ids, mask = pt.left_pad(pt.format_prompts(tok, ["1+2=", "37+45=", "9+90="], False, 64), tok.pad_token_id, "cpu")
+    with torch.no_grad():  # make the new row's logit dominate: unmasked, the pad would be sampled nearly always
+        hidden = policy.model(input_ids=ids).last_hidden_state.mean((0, 1))
+        policy.lm_head.weight[tok.pad_token_id] = 20 * hidden / hidden.square().sum()
+    kwargs = dict(max_new_tokens=6, temperature=1.0, stop_ids=tok.eos_token_id, pad_id=tok.pad_token_id)
+    unmasked = pt.generate(policy, ids, mask, **kwargs, generator=torch.Generator().manual_seed(0))
+    assert (unmasked.response[unmasked.response_mask.bool()] == tok.pad_token_id).any()  # the test can fail
+    batch = pt.generate(policy, ids, mask, **kwargs, vocab=vocab, generator=torch.Generator().manual_seed(0))
+    assert (batch.response[batch.response_mask.bool()] < vocab).all()
+    scored, _ = pt.sequence_logprobs(policy, *pt.full_sequence(batch), batch.response, batch.response_mask, 1.0,
+                                     vocab=vocab)  # sampler and scorer: the same distribution over ids < vocab
+    torch.testing.assert_close(scored, batch.behav_logprobs, rtol=0, atol=1e-9)
+    full, _ = pt.sequence_logprobs(policy, *pt.full_sequence(batch), batch.response, batch.response_mask, 1.0,
+                                   full_logits=True, vocab=vocab)
+    torch.testing.assert_close(full, scored, rtol=0, atol=1e-9)
+    assert pt.full_sequence(batch)[0].max() < vocab  # no model ever reads our pad id (a reward model lacks its row)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p,full_logits", [(1.0, 0, 1.0, False), (0.7, 0, 1.0, True),
+                                                                 (0.7, 0, 1.0, False), (1.3, 5, 1.0, False),
+                                                                 (1.0, 0, 0.8, True)])
+def test_behaviour_logprobs_equal_recomputed_logprobs(tokenizer, temperature, top_k, top_p, full_logits):
+    policy = tiny_llama(len(tokenizer), seed=2)
+    texts = ["1+2=", "37+45=", "9+90=", "5+5="]
+    batch = demo_rollout(tokenizer, policy, texts, temperature, top_k, top_p, T=6)
+    logprobs, entropy = pt.sequence_logprobs(policy, *pt.full_sequence(batch), batch.response, batch.response_mask,
+                                             temperature, batch.kept_ids, full_logits)
+    # same weights, same temperature, same positions: only KV-cache vs full-forward rounding (float64) differs
+    torch.testing.assert_close(logprobs.double(), batch.behav_logprobs.double(), rtol=0, atol=1e-9)
+    assert (logprobs[~batch.response_mask.bool()] == 0).all()
+    if top_k == 0 and top_p == 1.0:  # a different temperature when scoring would not match: the test can fail
+        wrong, _ = pt.sequence_logprobs(policy, *pt.full_sequence(batch), batch.response, batch.response_mask,
+                                        temperature + 0.5)
+        assert (wrong - logprobs).abs().max() > 1e-3
+    if top_k or top_p < 1:  # kept-set renormalisation: kept ids recorded, log-probs >= the full-vocab ones
+        assert batch.kept_ids.shape[:2] == batch.response.shape
+        full, _ = pt.sequence_logprobs(policy, *pt.full_sequence(batch), batch.response, batch.response_mask,
+                                       temperature)
+        assert (logprobs >= full - 1e-9).all() and (logprobs > full + 1e-6).any()
+
+
+def tiny_gpt2(vocab_size, seed=0):  # absolute position embeddings: wrong position ids change every logit
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(seed)
+    config = GPT2Config(vocab_size=vocab_size, n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=False)
+    return GPT2LMHeadModel(config).double().eval()
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_left_padding_gives_the_same_logprobs_as_no_padding(tokenizer, family):
+    policy = (tiny_llama if family == "llama" else tiny_gpt2)(len(tokenizer), seed=3)
+    prompt = pt.format_prompts(tokenizer, ["12+34="], False, 64)[0]
+    response = torch.tensor([[tokenizer.convert_tokens_to_ids("4"), tokenizer.convert_tokens_to_ids("6"),
+                              tokenizer.eos_token_id]])
+    results = []
+    for n_pad in (0, 5):
+        ids, mask = pt.left_pad([prompt, [1] * (len(prompt) + n_pad)], tokenizer.pad_token_id, "cpu")
+        batch = pt.Rollout(ids[:1], mask[:1], response, torch.ones_like(response), None, None, None)
+        results.append(pt.sequence_logprobs(policy, *pt.full_sequence(batch), response, batch.response_mask, 1.0)[0])
+        if n_pad and family == "gpt2":  # naive positions 0..L-1 count the pads: wrong (RoPE is shift-invariant, so
+            ids_, mask_, _ = pt.full_sequence(batch)  # a Llama would not notice; absolute positions do)
+            naive = torch.arange(ids_.shape[1])[None]
+            wrong = pt.sequence_logprobs(policy, ids_, mask_, naive, response, batch.response_mask, 1.0)[0]
+            assert (wrong - results[0]).abs().max() > 1e-4
+    torch.testing.assert_close(results[0], results[1], rtol=0, atol=1e-10)
+
+
+def test_behaviour_logprobs_equal_recomputed_logprobs_gpt2(tokenizer):
+    policy = tiny_gpt2(len(tokenizer), seed=2)
+    batch = demo_rollout(tokenizer, policy, ["1+2=", "37+45=", "9+90="], 0.8, T=6)
+    logprobs, _ = pt.sequence_logprobs(policy, *pt.full_sequence(batch), batch.response, batch.response_mask, 0.8)
+    torch.testing.assert_close(logprobs.double(), batch.behav_logprobs.double(), rtol=0, atol=1e-9)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# scoring: sequence log-probs, the fused head check, packed scoring == padded scoring, reward model scores
+
+
+def test_fused_head_is_checked_against_the_models_own_logits(tokenizer):
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+    policy = tiny_llama(len(tokenizer), dtype=torch.float32)
+    assert pt.fused_head_agrees(policy)
+    head = policy.lm_head  # a model that scales its logits in its own code (as Falcon-H1's lm_head_multiplier)
+    policy.lm_head = torch.nn.Linear(32, len(tokenizer), bias=False)
+    policy.lm_head.weight = head.weight
+    policy.lm_head.forward = lambda h: torch.nn.functional.linear(h, head.weight) * 0.5
+    assert not pt.fused_head_agrees(policy)
+    torch.manual_seed(0)
+    gemma = Gemma2ForCausalLM(Gemma2Config(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1,
+                                           num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                           intermediate_size=64, final_logit_softcapping=0.5)).eval()
+    assert not pt.fused_head_agrees(gemma)  # softcapping
+    gemma.config.final_logit_softcapping = 30.0  # a real model's cap: the random model's logits never reach it
+    assert not pt.fused_head_agrees(gemma)
+
+
+def make_kept(tokens, vocab, k, drop_sampled=()):
+    """Distinct kept ids per row with the sampled token among them (except rows in drop_sampled), -1 padded."""
+    n = tokens.shape[0]
+    kept = torch.full((n, k), -1, dtype=torch.long)
+    for i in range(n):
+        size = int(torch.randint(2, k + 1, ()))
+        ids = torch.randperm(vocab)[:size]
+        tok = int(tokens[i]) % vocab
+        ids = ids[ids != tok][: size - 1]
+        ids = ids if i in drop_sampled else torch.cat([ids, torch.tensor([tok])])
+        kept[i, :ids.numel()] = ids[torch.randperm(ids.numel())]
+    return kept
+
+
+def ragged_batch(tokenizer, n=7, T=6, seed=0):  # prompts of 3..12 tokens, responses of 1..T tokens
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(5, len(tokenizer), (int(k),), generator=g).tolist() for k in torch.randint(3, 13, (n,), generator=g)]
+    ids, mask = pt.left_pad(prompts, tokenizer.pad_token_id, "cpu")
+    lengths = torch.cat([torch.tensor([1, T]), torch.randint(1, T + 1, (n - 2,), generator=g)])  # a length-1 response
+    response_mask = (torch.arange(T)[None] < lengths[:, None]).long()
+    response = torch.where(response_mask.bool(), torch.randint(5, len(tokenizer), (n, T), generator=g), tokenizer.pad_token_id)
+    return pt.Rollout(ids, mask, response, response_mask, None, None, None)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_packed_scoring_equals_padded_scoring(tokenizer, family):
+    policy = (tiny_llama if family == "llama" else tiny_gpt2)(len(tokenizer), seed=3)  # float64
+    padded_critic = pt.build_critic(policy)
+    torch.nn.init.normal_(padded_critic.head.weight)  # a non-zero value head
+    batch = ragged_batch(tokenizer)
+    batch.kept_ids = make_kept(batch.response.reshape(-1), len(tokenizer), 5).view(*batch.response.shape, 5)  # top-k
+    padded = pt.sequence_logprobs(policy, *pt.full_sequence(batch), batch.response, batch.response_mask, 0.8,
+                                  batch.kept_ids)
+    padded_values = pt.critic_values(padded_critic, batch)
+    pt.use_packed_attention(pt.backbone_of(policy))
+    critic = pt.build_critic(policy)
+    critic.head.weight.data.copy_(padded_critic.head.weight)
+    *inputs, layout = pt.packed_inputs(batch)
+    assert inputs[0].shape[1] == int(batch.prompt_mask.sum() + batch.response_mask.sum())  # no pads at all
+    packed = pt.sequence_logprobs(policy, *inputs, batch.response, batch.response_mask, 0.8, batch.kept_ids,
+                                  layout=layout)
+    for a, b in zip(packed, padded):  # log-probs and entropies; float64, so only summation order differs
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
+        assert (a[~batch.response_mask.bool()] == 0).all()
+    # the critic is float32 (build_critic): float32 rounding
+    torch.testing.assert_close(pt.critic_values(critic, batch, pt.packed_inputs(batch)), padded_values, rtol=0, atol=1e-5)
+    cfg = SimpleNamespace(temperature=0.8, full_logits=True, micro_batch_tokens=64)  # the full-logits path packs too
+    torch.testing.assert_close(pt.rollout_logprobs(policy, batch, cfg)[0], padded[0], rtol=0, atol=1e-10)
+    from transformers import MistralConfig, MistralForCausalLM  # sliding windows are refused, not silently ignored
+    sliding = MistralForCausalLM(MistralConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1,
+                                               num_attention_heads=4, num_key_value_heads=2, sliding_window=3))
+    with pytest.raises(SystemExit, match="cannot run packed"):
+        pt.use_packed_attention(pt.backbone_of(sliding))
+
+
+def test_reward_model_scores_at_last_token_with_same_or_different_tokenizer(tokenizer):
+    import copy
+    rm = pt.ScalarHeadModel(tiny_llama(len(tokenizer) + 1, seed=7, dtype=torch.float32).model,
+                            torch.nn.Linear(32, 1, bias=False)).eval()
+    texts, answers = ["1+2=", "37+45=", "9+90="], ["3", "82", ""]
+    batch = pt.answer_batch(tokenizer, pt.format_prompts(tokenizer, texts, False, 64), answers, "cpu")
+    batch.ended, batch.prompts, batch.completions = torch.ones(3, dtype=torch.bool), texts, answers
+    same = pt.reward_model_scores(rm, tokenizer, tokenizer, batch, False, 2)
+    other = copy.deepcopy(tokenizer)
+    other.add_special_tokens({"additional_special_tokens": ["<extra>"]})  # another vocabulary: decode + re-tokenize
+    retokenized = pt.reward_model_scores(rm, other, tokenizer, batch, False, 2)
+    # the re-tokenized text gets the EOS back, so both read the score at the EOS
+    n_real = batch.response_mask.sum(-1)
+    ids, mask, pos = pt.full_sequence(batch)
+    P = batch.prompt_ids.shape[1]
+    expected = torch.stack([rm(ids[i:i + 1], mask[i:i + 1], pos[i:i + 1])[0, P + n_real[i] - 1] for i in range(3)])
+    torch.testing.assert_close(retokenized, expected, rtol=1e-5, atol=1e-5)
+    last = batch.response_mask.sum(-1) + P - 1
+    torch.testing.assert_close(same, torch.stack([rm(ids[i:i + 1], mask[i:i + 1], pos[i:i + 1])[0, last[i]]
+                                                  for i in range(3)]), rtol=1e-5, atol=1e-5)
+    # a chat template: a truncated completion stays an open assistant turn (no end-of-turn), a finished one is closed
+    other.chat_template = ("{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}{% if m['role'] == 'assistant' "
+                           "%}<eos>{% endif %}{% endfor %}")
+    texts, render = [], other.apply_chat_template
+    other.apply_chat_template = lambda *a, **k: texts.append(render(*a, **k)) or texts[-1]
+    batch.ended = torch.tensor([True, False, True])
+    pt.reward_model_scores(rm, other, tokenizer, batch, True, 2)
+    assert texts == ["u:1+2=a:3<eos>", "u:37+45=a:82", "u:9+90=a:<eos>"]
+    other.chat_template = other.chat_template.replace("m['content']", "m['content'][1:]")  # rewrites the turn (as
+    texts.clear()  # templates that drop a <think> part): it cannot stay open, so it is closed, not a crash
+    pt.reward_model_scores(rm, other, tokenizer, batch, True, 2)
+    assert texts[-2:] == ["u:7+45=a:2<eos>", "u:+90=a:<eos>"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# advantages: GAE, per-token rewards and the KL in them, KL estimators, whitening, the missing-EOS penalty,
+# the off-policy correction (importance weights): against hand-computed values and textbook formulas
 
 
 def test_gae_and_returns_match_hand_computed_example():
@@ -110,6 +408,71 @@ def test_advantage_whitening_uses_real_tokens_only():
     assert (out[~mask.bool()] == 0).all()
 
 
+def tiny_setup(tokenizer, **cfg_overrides):
+    cfg = pt.Config(**{"batch_size": 8, "minibatches": 2, "ppo_epochs": 2, "response_length": 4, **cfg_overrides})
+    pt.check_config(cfg)
+    policy = tiny_llama(len(tokenizer), seed=4, dtype=torch.float32)
+    pt.disable_dropout(policy)
+    reference = tiny_llama(len(tokenizer), seed=5, dtype=torch.float32).requires_grad_(False)
+    critic = pt.build_critic(policy)
+    texts = [f"{a}+{b}=" for a, b in [(1, 2), (37, 45), (9, 90), (5, 5), (12, 3), (0, 0), (99, 99), (50, 7)]]
+    batch = demo_rollout(tokenizer, policy, texts, cfg.temperature, T=cfg.response_length)
+    return cfg, policy, reference, critic, batch
+
+
+def score(batch, policy, reference, critic, reward_fn, cfg, row_order=None):
+    pt.score_frozen(batch, reference, reward_fn, cfg)
+    return pt.score_trainer(batch, policy, critic, cfg, row_order)
+
+
+def constant_reward(value):
+    return lambda b: torch.full((b.response.shape[0],), float(value))
+
+
+def test_kl_in_the_reward_and_identical_reference_gives_zero_kl(tokenizer):
+    cfg, policy, _, critic, batch = tiny_setup(tokenizer, kl_coef=0.1)
+    kl = score(batch, policy, policy, critic, constant_reward(0.0), cfg)
+    assert float(kl.abs().max()) == 0.0  # reference == policy: no penalty
+    cfg, policy, reference, critic, batch = tiny_setup(tokenizer, kl_coef=0.1, kl_estimator="k3")
+    kl = score(batch, policy, reference, critic, constant_reward(0.0), cfg)
+    expected = torch.where(batch.response_mask.bool(), -0.1 * pt.kl_estimate(batch.old_logprobs, batch.ref_logprobs, "k3"), 0.0)
+    torch.testing.assert_close(batch.rewards, expected)
+    assert (kl >= 0).all() and float(kl.max()) > 0
+
+
+def test_missing_eos_penalty_and_score_whitening(tokenizer):
+    cfg, policy, reference, critic, batch = tiny_setup(tokenizer, missing_eos_penalty=0.5)
+    batch.ended = torch.tensor([True, False] * 4)
+    score(batch, policy, reference, critic, constant_reward(1.0), cfg)
+    assert batch.scores.tolist() == [1.0, 0.5] * 4
+    cfg.whiten_scores = True
+    score(batch, policy, reference, critic, lambda b: torch.arange(8.0), cfg)
+    assert abs(float(batch.scores.mean())) < 1e-6 and abs(float(batch.scores.std()) - 1) < 1e-4
+
+
+def test_importance_weights_are_exactly_one_for_fresh_tokens_and_version_rejection_counts(tokenizer):
+    cfg, policy, reference, critic, batch = tiny_setup(tokenizer, max_token_age=1)
+    batch.policy_version = torch.tensor([[5], [4], [3], [5], [4], [3], [5], [5]]).expand_as(batch.response).clone()
+    batch.behav_logprobs = batch.behav_logprobs + 0.3 * torch.randn_like(batch.behav_logprobs)  # stale behaviour
+    pt.score_frozen(batch, reference, constant_reward(1.0), cfg)
+    pt.score_trainer(batch, policy, critic, cfg, version=5)
+    mask, age = batch.response_mask.bool(), 5 - batch.policy_version
+    assert (batch.is_weight[mask & (age == 0)] == 1.0).all()  # exactly 1, though behav != prox numerically
+    expected = torch.exp(batch.old_logprobs - batch.behav_logprobs).clamp(max=cfg.is_cap)
+    torch.testing.assert_close(batch.is_weight[mask & (age > 0)], expected[mask & (age > 0)])
+    assert torch.equal(batch.loss_mask.bool(), mask & (age <= 1))  # age 2 dropped
+    assert batch.correction["tokens_dropped"] == int((mask & (age == 2)).sum()) > 0
+    assert batch.correction["staleness_max"] == 2
+    cfg.is_mode, cfg.is_cap = "mask", 1.0
+    pt.score_trainer(batch, policy, critic, cfg, version=5)
+    capped = mask & (torch.exp(batch.old_logprobs - batch.behav_logprobs) > 1.0) & (age > 0)
+    assert capped.any() and (batch.is_weight[capped] == 0).all()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the losses: policy loss, value loss, explained variance, loss denominators, the decoupled loss
+
+
 def test_policy_loss_equals_textbook_formula():
     torch.manual_seed(0)
     B, T, eps = 5, 7, 0.2
@@ -160,6 +523,13 @@ def test_value_loss_is_clipped_textbook_formula():
     assert float(v1.grad) == 0.0 and abs(float(l1.detach()) - 0.5 * (10 - 0.2) ** 2) < 1e-12
 
 
+def test_explained_variance():
+    ret = torch.randn(3, 4, dtype=torch.float64)
+    mask = torch.ones(3, 4)
+    assert abs(float(pt.explained_variance(ret, ret, mask)) - 1.0) < 1e-12
+    assert abs(float(pt.explained_variance(torch.full_like(ret, float(ret.mean())), ret, mask))) < 1e-12
+
+
 def test_a_given_loss_denominator_is_not_clamped():
     x, mask = torch.tensor([1.0, 2.0, 99.0]), torch.tensor([1, 1, 0])
     assert float(pt.masked_mean(x, mask)) == 1.5 and float(pt.masked_mean(x, torch.zeros(3))) == 0.0
@@ -167,11 +537,869 @@ def test_a_given_loss_denominator_is_not_clamped():
     assert float(pt.masked_mean(x, mask, torch.tensor(0.5))) == 6.0
 
 
-def test_explained_variance():
-    ret = torch.randn(3, 4, dtype=torch.float64)
-    mask = torch.ones(3, 4)
-    assert abs(float(pt.explained_variance(ret, ret, mask)) - 1.0) < 1e-12
-    assert abs(float(pt.explained_variance(torch.full_like(ret, float(ret.mean())), ret, mask))) < 1e-12
+def test_decoupled_loss_with_fresh_tokens_is_standard_ppo_to_the_bit():
+    logp, old, adv = (torch.randn(3, 5) for _ in range(3))
+    mask = torch.ones(3, 5)
+    standard, _ = pt.policy_loss(logp, old, adv, mask, 0.2)
+    decoupled, _ = pt.policy_loss(logp, old, adv, mask, 0.2, is_weight=torch.ones(3, 5))
+    assert torch.equal(standard, decoupled)
+    half, _ = pt.policy_loss(logp, old, adv, mask, 0.2, is_weight=torch.full((3, 5), 0.5))
+    torch.testing.assert_close(half, standard / 2)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the update: the first minibatch's ratio, micro-batches, clipping, AdamW and the lr decay, token budgets, packing,
+# gradient checkpointing and bf16, non-finite loss skips
+
+
+def test_ratio_is_exactly_one_on_the_first_minibatch(tokenizer):
+    cfg, policy, reference, critic, batch = tiny_setup(tokenizer, micro_batch_size=2)
+    orders = [torch.randperm(8) for _ in range(cfg.ppo_epochs)]
+    score(batch, policy, reference, critic, constant_reward(1.0), cfg, orders[0])
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (policy, critic)]
+    stats = pt.ppo_update(policy, critic, *opts, batch, cfg, orders)
+    assert stats["first_ratio_max_dev"] == 0.0
+    assert stats["approx_kl"] > 0  # the later minibatches did move the policy
+
+
+def sgd_update(tokenizer, prepare=None, **cfg_overrides):  # one ppo_update with plain SGD (lr 1): the step is the gradient
+    """Returns (stats, the policy's step, the critic's step)."""
+    cfg, policy, reference, critic, batch = tiny_setup(tokenizer, **cfg_overrides)
+    if prepare is not None:
+        prepare(policy, critic)
+    orders = [torch.randperm(8, generator=torch.Generator().manual_seed(0)) for _ in range(cfg.ppo_epochs)]
+    score(batch, policy, reference, critic, lambda b: torch.arange(8.0), cfg, orders[0])
+    before = [[p.detach().clone() for p in m.parameters()] for m in (policy, critic)]
+    opts = [torch.optim.SGD(m.parameters(), lr=1.0) for m in (policy, critic)]
+    stats = pt.ppo_update(policy, critic, *opts, batch, cfg, orders)
+    return stats, *([p.detach() - b for p, b in zip(m.parameters(), old)] for m, old in zip((policy, critic), before))
+
+
+def test_micro_batch_accumulation_gives_the_minibatch_gradient(tokenizer):
+    no_clip = dict(ppo_epochs=1, minibatches=1, max_grad_norm=1e9)  # (a clipped step would hide a uniform scale error)
+    _, whole, whole_critic = sgd_update(tokenizer, **no_clip)
+    _, micro, micro_critic = sgd_update(tokenizer, **no_clip, micro_batch_size=2)
+    for a, b in zip(whole + whole_critic, micro + micro_critic):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    assert max(float(a.abs().max()) for a in whole) > 1e-4 and max(float(a.abs().max()) for a in whole_critic) > 1e-4
+
+
+def test_gradient_clipping_bounds_each_step(tokenizer):
+    stats, step, _ = sgd_update(tokenizer, ppo_epochs=1, minibatches=1, max_grad_norm=1e-3)
+    assert stats["grad_norm"] > 1e-3  # clipping was needed ...
+    norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(s) for s in step])))
+    assert abs(norm - 1e-3) < 1e-6  # ... and the step (lr 1) has exactly the clipped norm
+
+
+def test_adamw_eps_and_linear_lr_decay(tokenizer):
+    cfg = pt.Config(steps=10, lr=1e-3)
+    policy, critic = tiny_llama(len(tokenizer), dtype=torch.float32), tiny_llama(len(tokenizer), dtype=torch.float32)
+    policy_opt, critic_opt, schedules = pt.make_optimizers(cfg, policy, critic)
+    assert policy_opt.param_groups[0]["eps"] == 1e-5 and critic_opt.param_groups[0]["lr"] == cfg.critic_lr
+    lrs = []
+    for _ in range(10):
+        lrs.append(schedules[0].get_last_lr()[0])
+        policy_opt.step()
+        schedules[0].step()
+    assert lrs == pytest.approx([1e-3 * (1 - s / 10) for s in range(10)])
+    cfg.lr_decay = False
+    policy_opt, _, schedules = pt.make_optimizers(cfg, policy, critic)
+    policy_opt.step()
+    schedules[0].step()
+    assert schedules[0].get_last_lr()[0] == 1e-3
+
+
+def test_token_budget_micro_batches_cover_every_token_once(tokenizer):
+    cfg = pt.Config(batch_size=28, minibatches=2, micro_batch_tokens=40)
+    g = torch.Generator().manual_seed(1)
+    batch = pt.Rollout(torch.ones(28, 12, dtype=torch.long), (torch.arange(12) >= 12 - torch.randint(1, 13, (28, 1), generator=g)).long(),
+                       torch.ones(28, 9, dtype=torch.long), (torch.arange(9) < torch.randint(1, 10, (28, 1), generator=g)).long(),
+                       None, None, None)
+    lengths = (batch.prompt_mask.sum(1) + batch.response_mask.sum(1)).tolist()
+    order = torch.randperm(28, generator=g)
+    groups = pt.micro_batch_rows(batch, order.split(14), cfg)
+    for minibatch, micro in zip(order.split(14), groups):
+        rows = torch.cat(micro)
+        assert sorted(rows.tolist()) == sorted(minibatch.tolist())  # every row (so every token) exactly once
+        assert all(sum(lengths[r] for r in m.tolist()) <= 40 for m in micro)  # within the budget
+        assert len(micro) > 1
+    bins = pt.token_budget_bins([5, 30, 7, 30, 2, 9], 40, bins=5)  # at least 5 bins (ranks that must agree)
+    assert len(bins) == 5 and sorted(i for b in bins for i in b) == list(range(6))
+    assert pt.token_budget_bins([50, 3], 40) == [[0], [1]]  # a row over the budget gets a micro-batch of its own
+
+
+def test_packed_training_matches_padded_training(tokenizer, monkeypatch):
+    results, sizes = [], []
+    packed_inputs = pt.packed_inputs  # count the packed micro-batches and their real tokens
+    monkeypatch.setattr(pt, "packed_inputs", lambda b: (sizes.append(int(b.prompt_mask.sum() + b.response_mask.sum())),
+                                                        packed_inputs(b))[1])
+    for packed in (False, True):
+        cfg, policy, reference, critic, batch = tiny_setup(tokenizer, **({"micro_batch_tokens": 20} if packed else {}))
+        if packed:
+            pt.use_packed_attention(pt.backbone_of(policy))
+            pt.use_packed_attention(critic.backbone)
+            pt.use_packed_attention(pt.backbone_of(reference))
+            sizes.clear()  # (the checks' packed batches)
+        orders = [torch.randperm(8, generator=torch.Generator().manual_seed(0)) for _ in range(cfg.ppo_epochs)]
+        score(batch, policy, reference, critic, lambda b: torch.arange(8.0), cfg, orders[0])
+        opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (policy, critic)]
+        stats = pt.ppo_update(policy, critic, *opts, batch, cfg, orders)
+        assert stats["first_ratio_max_dev"] == 0.0  # the packed scoring pass and the first epoch agree to the bit
+        results.append((batch, stats, [p.detach().clone() for p in policy.parameters()]))
+    (a, sa, wa), (b, sb, wb) = results
+    # --micro-batch-tokens 20 is honoured: more micro-batches than minibatches (2 minibatches of 4 rows, ~39 tokens
+    # each, in the reference's, the trainer's and 2 epochs' passes), none over 20 real tokens, every token 4 times
+    assert len(sizes) > 2 * 4 and max(sizes) <= 20 and sum(sizes) == 4 * int(b.prompt_mask.sum() + b.response_mask.sum())
+    for name in ("old_logprobs", "values", "advantages"):
+        torch.testing.assert_close(getattr(b, name), getattr(a, name), rtol=1e-4, atol=1e-5)
+    for k in ("pg_loss", "vf_loss", "entropy"):
+        assert abs(sa[k] - sb[k]) < 1e-4, k
+    for x, y in zip(wa, wb):
+        torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-5)
+
+
+def test_gradient_checkpointing_and_bf16_autocast_keep_the_update(tokenizer):
+    _, plain, _ = sgd_update(tokenizer, ppo_epochs=1, minibatches=1)
+    calls = []
+
+    def checkpoint(policy, critic):
+        for model in (policy, critic):
+            pt.checkpoint_layers(model)
+        mlp = pt.decoder_layers(policy)[0].mlp
+        forward = mlp.forward
+        mlp.forward = lambda *a, **k: (calls.append(torch.is_grad_enabled()), forward(*a, **k))[1]
+
+    _, checkpointed, _ = sgd_update(tokenizer, prepare=checkpoint, ppo_epochs=1, minibatches=1)
+    assert calls == [False, True, True]  # scoring, the training forward, its recomputation in the backward
+    for a, b in zip(plain, checkpointed):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+    stats, bf16, _ = sgd_update(tokenizer, bf16=True, ppo_epochs=1, minibatches=1)
+    assert stats["first_ratio_max_dev"] == 0.0  # scoring and the first epoch run under the same autocast
+    flat = lambda steps: torch.cat([s.reshape(-1) for s in steps])
+    assert torch.nn.functional.cosine_similarity(flat(bf16), flat(plain), dim=0) > 0.99
+    assert float((flat(bf16) - flat(plain)).abs().max()) > 1e-5  # autocast did run: bf16 rounding moved the step
+    for full_logits in (False, True):
+        cfg, policy, _, _, batch = tiny_setup(tokenizer, bf16=True, full_logits=full_logits)
+        pt.fp32_head(policy)  # what train() does under --bf16
+        exact = pt.rollout_logprobs(policy, batch, cfg)[0]
+        with pt.autocast(cfg, torch.device("cpu")):
+            logits = policy(*pt.full_sequence(batch)).logits
+            mixed = pt.rollout_logprobs(policy, batch, cfg)[0]
+        assert logits.dtype == torch.float32 and mixed.dtype == torch.float32  # bf16 body, fp32 head
+        assert 0 < float((mixed - exact).detach().abs().max()) < 0.05
+
+
+def test_non_finite_loss_skips_the_update_and_leaves_the_weights_alone(tokenizer):
+    cfg, policy, reference, critic, batch = tiny_setup(tokenizer)
+    orders = [torch.randperm(8) for _ in range(cfg.ppo_epochs)]
+    score(batch, policy, reference, critic, constant_reward(1.0), cfg, orders[0])
+    batch.advantages[:, 0] = float("inf")  # every minibatch's loss is non-finite
+    before = [p.detach().clone() for p in policy.parameters()]
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (policy, critic)]
+    stats = pt.ppo_update(policy, critic, *opts, batch, cfg, orders)
+    assert stats["nonfinite"].startswith("policy loss") and "epoch 1 minibatch 1 (after 0 finite steps)" in stats["nonfinite"]
+    assert all(torch.equal(p, b) for p, b in zip(policy.parameters(), before)) and all(p.grad is None for p in policy.parameters())
+    assert pt.nonfinite(batch) == "advantages in rows [0, 1, 2, 3, 4, 5, 6, 7] of 8"
+    batch.behav_logprobs[3, 1] = float("nan")  # a sampler whose logits went NaN (its draws are not checked)
+    assert pt.nonfinite(batch) == "behav_logprobs in rows [3] of 8"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the loop, end to end: the real entry point, on tiny budgets (the demo, model and reward model directories,
+# staleness 0 and 1, in-flight updates, sampler errors and SIGTERM)
+
+
+def run_script(args, cwd, timeout=300):
+    proc = subprocess.run([sys.executable, SCRIPT, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def read_metrics(output_dir):
+    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def check_outputs(output_dir, steps, tokenizer_check=None):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    config = json.load(open(os.path.join(output_dir, "config.json")))
+    assert config["steps"] == steps and config["response_length"] > 0  # resolved values, as used
+    records = [r for r in read_metrics(output_dir) if r["step"] > 0]
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    for key in ("reward_mean", "kl", "entropy", "clipfrac", "response_tokens", "iter_s", "time_s",
+                "gen_tokens_per_s", "train_tokens_per_s", "vf_loss", "explained_variance", "approx_kl"):
+        assert all(isinstance(r[key], (int, float)) and math.isfinite(r[key]) for r in records), key
+    assert all(r["first_ratio_max_dev"] == 0.0 for r in records)
+    policy = AutoModelForCausalLM.from_pretrained(os.path.join(output_dir, "policy"))
+    tok = AutoTokenizer.from_pretrained(os.path.join(output_dir, "policy"))
+    assert tok.pad_token_id != tok.eos_token_id
+    ids = tok(["1+2="], return_tensors="pt").input_ids
+    assert policy(input_ids=ids).logits.shape[-1] >= len(tok)
+    return records
+
+
+TINY = ["--batch-size", "16", "--minibatches", "2", "--micro-batch-size", "4", "--steps", "3", "--eval-size", "40",
+        "--eval-every", "2", "--demo-warmup-max-steps", "0", "--sample-every", "2", "--device", "cpu"]  # (bit-exact)
+
+
+def test_demo_learns_a_little_in_a_few_iterations(tmp_path):
+    """A shortened default demo (the full one is in the README): after the real warm-up, the reward mean rises."""
+    out = run_script(["--steps", "24", "--eval-every", "12", "--eval-size", "500", "--sample-every", "0", "--device", "cpu",
+                      "--output-dir", str(tmp_path / "run"), "--demo-cache", str(tmp_path / "cache")], tmp_path, 600)
+    records = [r for r in read_metrics(tmp_path / "run") if r["step"] > 0]
+    first, last = records[:6], records[-6:]
+    mean = lambda rs: sum(r["reward_mean"] for r in rs) / len(rs)
+    assert mean(last) > mean(first) + 0.03, (mean(first), mean(last), out[-2000:])
+    assert "warm-up:" in out and "held-out sampled accuracy" in out
+
+
+def test_demo_entry_point_with_a_reward_model_directory(tmp_path, tokenizer):
+    """The demo policy with a learned reward model saved as an AutoModelForSequenceClassification directory."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+    rm = LlamaForSequenceClassification(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1,
+                                                    num_attention_heads=2, intermediate_size=64, num_labels=1,
+                                                    pad_token_id=tokenizer.pad_token_id))
+    rm.save_pretrained(tmp_path / "rm")
+    tokenizer.save_pretrained(tmp_path / "rm")
+    out = run_script([*TINY, "--reward-model", str(tmp_path / "rm"), "--output-dir", str(tmp_path / "run"),
+                      "--demo-cache", str(tmp_path / "cache")], tmp_path)
+    assert "critic from the reward model" in out
+    records = check_outputs(tmp_path / "run", 3)
+    assert "eval_accuracy" in read_metrics(tmp_path / "run")[0] and "eval_accuracy" in records[-1]
+
+
+def test_model_directory_prompts_file_and_reward_function(tmp_path, tokenizer):
+    """--model DIR (with a chat template) + --prompts JSONL + --reward module:function, through the real CLI."""
+    import copy
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}={% endif %}"
+    model = tiny_llama(len(tok) + 8, dtype=torch.float32)  # spare embedding rows, as many real vocabularies have
+    model.save_pretrained(tmp_path / "policy_in")
+    tok.save_pretrained(tmp_path / "policy_in")
+    with open(tmp_path / "prompts.jsonl", "w") as f:
+        for a in range(20):
+            f.write(json.dumps({"prompt": f"{a}+{a}"}) + "\n")
+    (tmp_path / "my_rewards.py").write_text(
+        "def score(prompts, completions):\n"
+        "    assert all('=' not in p for p in prompts)  # raw prompts, before the chat template\n"
+        "    return [float(len(c)) for c in completions]\n")
+    out = run_script([*TINY, "--model", str(tmp_path / "policy_in"), "--prompts", str(tmp_path / "prompts.jsonl"),
+                      "--reward", "my_rewards:score", "--response-length", "5", "--output-dir", str(tmp_path / "run")],
+                     tmp_path)
+    assert "zero-initialised head" in out
+    records = check_outputs(tmp_path / "run", 3)
+    assert "eval_accuracy" not in records[-1]
+    assert all(r["response_tokens"] <= 16 * 5 for r in records)
+    # the trainer scores the distribution the sampler drew from (ids of the tokenizer only, not the spare rows)
+    assert all(r["behav_prox_max_diff"] < 1e-5 for r in records)
+
+
+def test_a_tokenizer_without_pad_and_a_reward_model_of_the_same_vocabulary(tmp_path, tokenizer):
+    """As Llama 3 base: no pad token, so ensure_pad_token adds one past the reward model's (and so the critic's)
+    embedding; neither may ever read it, and the policy may never sample it."""
+    import copy
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+    tok = copy.deepcopy(tokenizer)
+    tok.pad_token = None
+    tiny_llama(len(tok), dtype=torch.float32).save_pretrained(tmp_path / "policy_in")
+    rm = LlamaForSequenceClassification(LlamaConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=1,
+                                                    num_attention_heads=2, intermediate_size=64, num_labels=1))
+    for path, model in (("policy_in", None), ("rm", rm)):
+        if model is not None:
+            model.save_pretrained(tmp_path / path)
+        tok.save_pretrained(tmp_path / path)
+    with open(tmp_path / "prompts.jsonl", "w") as f:
+        f.writelines(json.dumps({"prompt": f"{a}+{a * 37}="}) + "\n" for a in range(20))  # ragged: left pads
+    run_script([*TINY, "--model", str(tmp_path / "policy_in"), "--prompts", str(tmp_path / "prompts.jsonl"),
+                "--reward-model", str(tmp_path / "rm"), "--response-length", "5", "--output-dir", str(tmp_path / "run")],
+               tmp_path)
+    records = check_outputs(tmp_path / "run", 3)
+    assert all(math.isfinite(r["reward_mean"]) for r in records)
+
+
+def write_reward_module(path):
+    (path / "count_ones.py").write_text("def score(prompts, completions):\n"
+                                        "    return [c.count('1') / 4 for c in completions]\n")
+
+
+LOOP = ["--batch-size", "16", "--minibatches", "2", "--micro-batch-size", "8", "--steps", "4", "--response-length", "6",
+        "--demo-warmup-max-steps", "0", "--sample-every", "0", "--reward", "count_ones:score", "--lr", "3e-3",
+        "--device", "cpu"]  # the CPU: bit-exact assertions; their CUDA twins add --device cuda
+
+
+def test_staleness_zero_with_the_thread_equals_the_synchronous_loop(tmp_path, monkeypatch):
+    write_reward_module(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    results = []
+    for threaded in (False, True):
+        cfg = pt.parse_config([*LOOP, "--output-dir", str(tmp_path / f"run{threaded}")])
+        run = pt.setup(cfg)
+        os.makedirs(cfg.output_dir)
+        history = pt.train(cfg, run, cfg.output_dir, threaded=threaded)
+        results.append((history, {k: v.clone() for k, v in run.policy.state_dict().items()}))
+    (plain, plain_weights), (thread, thread_weights) = results
+    for a, b in zip(plain, thread):
+        for key in ("pg_loss", "vf_loss", "reward_mean", "kl", "approx_kl", "clipfrac", "entropy"):
+            assert a[key] == b[key], (key, a[key], b[key])
+    assert all(torch.equal(plain_weights[k], thread_weights[k]) for k in plain_weights)
+    assert all(r["behav_prox_max_diff"] < 1e-5 for r in plain + thread)  # the sampler really had the new weights
+    assert plain[-1]["approx_kl"] > 0 and plain[0]["reward_mean"] != plain[-1]["reward_mean"]  # it did train
+
+
+def test_staleness_one_keeps_every_token_within_bounds(tmp_path):
+    write_reward_module(tmp_path)
+    out = run_script([*LOOP, "--steps", "6", "--max-staleness", "1", "--inflight-updates", "--trace",
+                      str(tmp_path / "trace.json"), "--output-dir", str(tmp_path / "run")], tmp_path)
+    records = [r for r in read_metrics(tmp_path / "run") if r["step"] > 0]
+    assert all(r["staleness_max"] <= 1 for r in records) and max(r["staleness_max"] for r in records) == 1
+    assert records[0]["staleness_max"] == 0 and records[0]["is_weight_mean"] == 1.0
+    assert all(r["first_ratio_max_dev"] == 0.0 and r["weight_sync_ms"] >= 0 for r in records)
+    trace = json.load(open(tmp_path / "trace.json"))["traceEvents"]
+    assert {"generate", "update"} <= {e["name"] for e in trace} and {1, 2} <= {e["tid"] for e in trace}
+    assert "it    6/6" in out
+    run_script([*LOOP, "--steps", "6", "--max-staleness", "2", "--output-dir", str(tmp_path / "run2")], tmp_path)
+    records = [r for r in read_metrics(tmp_path / "run2") if r["step"] > 0]
+    assert all(r["staleness_max"] <= 2 for r in records) and max(r["staleness_max"] for r in records) == 2
+
+
+def test_inflight_updates_tag_each_token_with_its_version(tokenizer):
+    policy, sampler = tiny_llama(len(tokenizer), seed=1), tiny_llama(len(tokenizer), seed=1)
+    sync = pt.WeightSync(policy, sampler)
+    steps = []
+
+    def between_steps():  # the trainer publishes version 1 after the sampler's second token
+        steps.append(len(steps))
+        if len(steps) == 2:
+            with torch.no_grad():
+                for p in policy.parameters():
+                    p.add_(0.5 * torch.randn_like(p))
+            sync.publish(1)
+        return sync.pull()
+
+    ids, mask = pt.left_pad(pt.format_prompts(tokenizer, ["1+2=", "37+45="], False, 64), tokenizer.pad_token_id, "cpu")
+    eos = 999  # never sampled: every row runs all 5 steps
+    batch = pt.generate(sampler, ids, mask, max_new_tokens=5, temperature=1.0, stop_ids=eos, pad_id=tokenizer.pad_token_id,
+                        generator=torch.Generator().manual_seed(0), between_steps=between_steps)
+    assert batch.policy_version.tolist() == [[0, 0, 1, 1, 1]] * 2  # a mixed-version sequence
+    assert all(torch.equal(p, q) for p, q in zip(policy.parameters(), sampler.parameters()))
+    # the first two tokens' behaviour log-probs come from version 0: rescoring with version 0 reproduces them
+    old = tiny_llama(len(tokenizer), seed=1)
+    rescored, _ = pt.sequence_logprobs(old, *pt.full_sequence(batch), batch.response, batch.response_mask, 1.0)
+    torch.testing.assert_close(rescored[:, :2], batch.behav_logprobs[:, :2], rtol=0, atol=1e-9)
+    assert (rescored[:, 2:] - batch.behav_logprobs[:, 2:]).abs().max() > 1e-3
+    # the version-1 tokens read version 0's KV cache: not fresh at trainer version 1, so they keep their IS weight
+    cfg = pt.Config(batch_size=2, minibatches=1, response_length=5, is_cap=1e9)
+    batch.scores, batch.ref_logprobs = torch.zeros(2), batch.behav_logprobs.clone()
+    pt.score_trainer(batch, policy, pt.build_critic(policy), cfg, version=1)
+    torch.testing.assert_close(batch.is_weight, torch.exp(batch.old_logprobs - batch.behav_logprobs))
+    assert (batch.is_weight[:, 2:] != 1).all()
+
+
+def load_into_fresh_models(checkpoint):  # what --resume does, into models built from the checkpoint's config
+    cfg = pt.Config(**json.load(open(os.path.join(checkpoint, "config.json"))))
+    tokenizer = pt.build_demo_tokenizer()
+    policy = pt.build_demo_policy(tokenizer, 0, cfg.demo_hidden, cfg.demo_layers)
+    critic, actor = pt.build_critic(policy), pt.Actor(policy, cfg.temperature)
+    policy_opt, critic_opt, schedules = pt.make_optimizers(cfg, actor, critic)
+    state = pt.load_checkpoint(checkpoint, actor, critic, (policy_opt, critic_opt), schedules)
+    assert all(torch.isfinite(p).all() for p in [*policy.parameters(), *critic.parameters()])
+    assert schedules[0].last_epoch == state["step"] and len(policy_opt.state) > 0
+    return state
+
+
+def test_sampler_errors_and_sigterm_stop_the_run_without_a_hung_thread(tmp_path, monkeypatch):
+    import signal
+    import threading
+    (tmp_path / "flaky.py").write_text("calls = 0\ndef score(prompts, completions):\n    global calls\n    calls += 1\n"
+                                       "    if calls == 3:\n        raise ValueError('reward service down')\n"
+                                       "    return [0.0] * len(completions)\n")
+    monkeypatch.chdir(tmp_path)
+    args = [a if a != "count_ones:score" else "flaky:score" for a in LOOP]
+    cfg = pt.parse_config([*args, "--max-staleness", "2", "--steps", "8", "--output-dir", str(tmp_path / "run")])
+    os.makedirs(cfg.output_dir)
+    with pytest.raises(SystemExit, match="reward service down"):
+        pt.train(cfg, pt.setup(cfg), cfg.output_dir)
+    assert not any(t.name == "ppo_tokens-sampler" for t in threading.enumerate())
+    write_reward_module(tmp_path)
+    proc = subprocess.Popen([sys.executable, SCRIPT, *LOOP, "--steps", "100000", "--max-staleness", "1",
+                             "--output-dir", str(tmp_path / "run2")], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    seen = False
+    for line in proc.stdout:
+        if line.startswith("it    2/"):
+            seen = True
+            break
+    assert seen, "the run did not reach iteration 2"
+    proc.send_signal(signal.SIGTERM)
+    t0 = time.time()
+    out, _ = proc.communicate(timeout=60)
+    assert time.time() - t0 < 20 and proc.returncode == 0, out[-2000:]  # stopped, promptly, with a checkpoint
+    (checkpoint,) = pt.checkpoints(tmp_path / "run2")
+    assert f"stopped by SIGTERM after iteration" in out and f"--resume {checkpoint}" in out
+    state = load_into_fresh_models(checkpoint)
+    assert state["step"] >= 2 and not any(t.name == "ppo_tokens-sampler" for t in threading.enumerate())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# PLUMBING, as in ppo_tokens.py: set-up and models (dropout off, the critic's start, hybrid models, the fast sampler
+# against the plain loop, grouped decode attention, flash-attn detection)
+
+
+def test_dropout_is_off_in_every_model():
+    model = tiny_llama(16, attention_dropout=0.5, dtype=torch.float32).train()
+    model.model.layers[0].mlp.add_module("drop", torch.nn.Dropout(0.5))  # a dropout module too
+    model.model.layers[0].mlp.forward = (lambda mlp: lambda x: mlp.drop(mlp.down_proj(
+        mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))))(model.model.layers[0].mlp)
+    x = torch.randint(0, 16, (2, 8))
+    assert not torch.equal(model(x).logits, model(x).logits)  # dropout active: the test can fail
+    pt.disable_dropout(model)
+    assert torch.equal(model(x).logits, model(x).logits)  # still in train mode, now deterministic
+    assert model.config.attention_dropout == 0.0
+
+
+def test_critic_starts_at_zero_or_from_the_reward_model(tokenizer):
+    policy = tiny_llama(len(tokenizer), dtype=torch.float32)
+    critic = pt.build_critic(policy)
+    ids, mask = pt.left_pad([[1, 5, 6], [1, 7]], tokenizer.pad_token_id, "cpu")
+    assert (critic(ids, mask, pt.positions(mask)) == 0).all()  # zero head: first advantages are the rewards
+    assert all(p.requires_grad for p in critic.parameters())
+    assert all(a.data_ptr() != b.data_ptr() for a, b in zip(critic.backbone.parameters(), policy.model.parameters()))
+    rm = pt.ScalarHeadModel(tiny_llama(len(tokenizer), seed=5, dtype=torch.float32).model, torch.nn.Linear(32, 1, bias=False))
+    from_rm = pt.build_critic(policy, rm, same_tokenizer=True)
+    torch.testing.assert_close(from_rm(ids, mask, pt.positions(mask)), rm(ids, mask, pt.positions(mask)))
+    assert (pt.build_critic(policy, rm, same_tokenizer=False)(ids, mask, pt.positions(mask)) == 0).all()
+
+
+def test_hybrid_models_sample_with_their_own_cache_and_scoring_agrees(tokenizer):
+    """Falcon-H1 (Mamba-2 and attention layers side by side): the plain loop lets the model build its hybrid cache
+    (a bare DynamicCache crashed with an IndexError), and its logit multiplier rules out the fused head."""
+    from transformers import FalconH1Config, FalconH1ForCausalLM
+    torch.manual_seed(0)
+    policy = FalconH1ForCausalLM(FalconH1Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                                                num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                                head_dim=16, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8,
+                                                mamba_n_groups=1, mamba_d_state=8, mamba_chunk_size=4,
+                                                lm_head_multiplier=0.5, max_position_embeddings=64)).double().eval()
+    assert not pt.fused_head_agrees(policy)
+    batch = demo_rollout(tokenizer, policy, ["1+2=", "37+45=", "9+90="], T=5)  # ragged: left-padded prompts
+    logprobs, _ = pt.sequence_logprobs(policy, *pt.full_sequence(batch), batch.response, batch.response_mask, 1.0,
+                                       full_logits=True)
+    torch.testing.assert_close(logprobs, batch.behav_logprobs, rtol=0, atol=1e-8)
+
+
+@pytest.mark.parametrize("family,dtype,top_k,compiled", [("llama", torch.float64, 0, False), ("llama", torch.float32, 5, False),
+                                                         ("gpt2", torch.float64, 0, False), ("sliding", torch.float64, 0, False),
+                                                         ("llama", torch.float32, 0, True)])
+def test_fast_sampler_gives_the_plain_loops_tokens_and_logprobs(tokenizer, family, dtype, top_k, compiled, capsys,
+                                                               monkeypatch):
+    if family == "sliding":  # a window shorter than the cache: refused, the plain loop samples (its own masks)
+        monkeypatch.delenv("PPO_TOKENS_STRICT")  # (which is an error under the strict switch)
+        from transformers import MistralConfig, MistralForCausalLM
+        torch.manual_seed(2)
+        policy = MistralForCausalLM(MistralConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2,
+                                                  num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+                                                  sliding_window=8)).eval()  # (wider than the check's 5 columns)
+    else:
+        policy = (tiny_gpt2 if family == "gpt2" else tiny_llama)(len(tokenizer), seed=2)
+    policy = policy.to(dtype)
+    texts = ["1+2=", "37+45=", "9+90=", "5+5=", "123+4=", "0+0="]  # ragged prompts: left padding in every batch
+    ids, mask = pt.left_pad(pt.format_prompts(tokenizer, texts, False, 64), tokenizer.pad_token_id, "cpu")
+    # compiled: for the sampler thread's one intra-op thread, as train() compiles it for a threaded CPU run
+    decoder = pt.fast_decoder(policy, len(texts), ids.shape[1] + 12, compiled=compiled, threads=1 if compiled else 0)
+    out = capsys.readouterr().out
+    assert type(decoder) is (pt.PlainDecoder if family == "sliding" else pt.StaticDecoder)
+    assert ("fast sampler off for MistralForCausalLM (sliding-window layers" in out) == (family == "sliding")
+    assert "torch.compile off" not in out
+    assert (family != "sliding" and decoder.decode is not policy and decoder.prefill is not policy) == compiled
+    sample = lambda sampler: pt.generate(sampler, ids, mask, max_new_tokens=10, temperature=0.9, stop_ids=tokenizer.eos_token_id,
+                                         pad_id=tokenizer.pad_token_id, generator=torch.Generator().manual_seed(7), top_k=top_k)
+    batches = [sample(policy)]
+    if compiled:  # in a thread with one intra-op thread, like the Producer's: the compiled code runs, not a recompile
+        from torch._dynamo.utils import counters
+        graphs = counters["stats"]["unique_graphs"]
+        # then capture()'s warm-up prompt (on CUDA): 2 tokens, not a length-1 prefill the compile specialises on
+        thread = threading.Thread(target=lambda: (torch.set_num_threads(1), batches.extend(sample(decoder) for _ in range(2)),
+                                                  torch.no_grad()(decoder.warm_up)()))  # (as fast_decoder calls it)
+        thread.start()
+        thread.join()
+        assert counters["stats"]["unique_graphs"] == graphs
+    else:
+        batches += [sample(decoder), sample(decoder)]  # the decoder twice: its cache is reused between batches
+    assert not batches[0].response_mask.all()  # some rows ended early: pads after EOS
+    for fast in batches[1:]:
+        assert torch.equal(fast.response, batches[0].response) and torch.equal(fast.response_mask, batches[0].response_mask)
+        # the same tokens; the log-probs differ only by the attention's rounding over the longer preallocated cache
+        torch.testing.assert_close(fast.behav_logprobs, batches[0].behav_logprobs, rtol=0,
+                                   atol=1e-12 if dtype == torch.float64 else 1e-5)
+
+
+def test_grouped_decode_attention_equals_sdpa_with_repeated_kv():
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, h, n, 8, generator=g, dtype=torch.float64) for h, n in ((6, 1), (2, 9), (2, 9)))
+    mask = torch.rand(3, 1, 1, 9, generator=g) > 0.3
+    mask[:, :, :, 0] = True  # (no fully masked row)
+    module = SimpleNamespace(num_key_value_groups=3, is_causal=True, training=False)
+    expected, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.3)  # repeats K/V 3 times
+    grouped, _ = kernels.ppo_attention(module, q, k, v, mask, grouped_decode=True, scaling=0.3)
+    assert grouped.shape == expected.shape == (3, 1, 6, 8)
+    torch.testing.assert_close(grouped, expected, rtol=0, atol=1e-12)
+
+
+def test_flash_attn_is_imported_to_detect_it_and_packing_is_checked_under_autocast(tmp_path, monkeypatch, capsys):
+    (tmp_path / "flash_attn").mkdir()  # installed (find_spec sees it) but built for another torch
+    (tmp_path / "flash_attn/__init__.py").write_text("raise ImportError('undefined symbol: _ZN3c10...')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("PPO_TOKENS_STRICT")
+    kernels.flash_attn_varlen.cache_clear()
+    try:
+        assert kernels.flash_attn_varlen() is None and "flash-attn is installed but does not import" in capsys.readouterr().out
+        kernels.flash_attn_varlen.cache_clear()
+        monkeypatch.setenv("PPO_TOKENS_STRICT", "1")
+        with pytest.raises(RuntimeError, match="PPO_TOKENS_STRICT=1: flash-attn is installed"):
+            kernels.flash_attn_varlen()
+    finally:
+        kernels.flash_attn_varlen.cache_clear()
+        sys.modules.pop("flash_attn", None)
+    policy = tiny_llama(16, dtype=torch.float32)
+    pt.use_packed_attention(policy.model, bf16=True)  # packed == padded in fp32 and under bf16 autocast
+    attention = kernels.ppo_attention  # a packed path that only goes wrong under autocast (as a broken flash-attn would)
+
+    def broken(module, query, *args, packed_layout=None, **kwargs):
+        out, _ = attention(module, query, *args, packed_layout=packed_layout, **kwargs)
+        return (out.flip(1) if packed_layout is not None and torch.is_autocast_enabled("cpu") else out), None
+    monkeypatch.setattr(kernels, "ppo_attention", broken)  # (use_ppo_attention registers it)
+    try:
+        pt.use_packed_attention(policy.model, bf16=False)
+        with pytest.raises(SystemExit, match="under --bf16"):
+            pt.use_packed_attention(policy.model, bf16=True)
+    finally:
+        monkeypatch.undo()
+        pt.use_ppo_attention(policy.model)  # the real one registered again, for the other tests
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# prompts and rewards
+
+
+def test_bad_reward_function_output_is_a_clear_error(tmp_path):
+    (tmp_path / "bad_rewards.py").write_text("def short(prompts, completions):\n    return [1.0]\n")
+    proc = subprocess.run([sys.executable, SCRIPT, *TINY, "--reward", "bad_rewards:short", "--output-dir",
+                           str(tmp_path / "run"), "--demo-cache", str(tmp_path / "cache")], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "returned 1 scores for 16 completions" in proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the overlapped loop's machinery: packed weight sync
+
+
+def test_packed_weight_sync_makes_sampler_and_trainer_weights_identical():
+    policy, sampler = tiny_llama(16, seed=1, dtype=torch.float32), tiny_llama(16, seed=2, dtype=torch.float32)
+    sync = pt.WeightSync(policy, sampler)
+    lo, n = sync.sampler_flat.data_ptr(), sync.sampler_flat.numel() * sync.sampler_flat.element_size()
+    assert all(lo <= p.data_ptr() and p.data_ptr() + p.numel() * p.element_size() <= lo + n
+               for p in sampler.parameters())  # views of one buffer
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(torch.randn_like(p))  # the trainer moves on
+    assert sync.pull() == 0 and not torch.equal(sampler.lm_head.weight, policy.lm_head.weight)  # nothing published
+    sync.publish(1)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.mul_(2)  # after publishing: the sampler must get version 1, not this
+    assert sync.pull() == 1
+    for (name, p), q in zip(policy.named_parameters(), sampler.parameters()):
+        assert torch.equal(p / 2, q), name
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# logging, checkpoints, resume, the non-finite guard
+
+
+def write_killer_module(path):  # a reward that kills its own process (kill -9) at call $KILL_AT, else count_ones
+    (path / "killer.py").write_text("import os, signal\ncalls = 0\ndef score(prompts, completions):\n"
+                                    "    global calls\n    calls += 1\n"
+                                    "    if calls == int(os.environ.get('KILL_AT', '0')):\n"
+                                    "        os.kill(os.getpid(), signal.SIGKILL)\n"
+                                    "    return [c.count('1') / 4 for c in completions]\n")
+
+
+def run_raw(args, cwd, **env):
+    return subprocess.run([sys.executable, SCRIPT, *args], cwd=cwd, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1", **env})
+
+
+def test_resume_after_kill_ends_with_the_same_weights_as_an_uninterrupted_run(tmp_path):
+    from safetensors.torch import load_file
+    write_killer_module(tmp_path)
+    args = [a if a != "count_ones:score" else "killer:score" for a in LOOP] + ["--save-every", "1"]
+    run_script([*args, "--output-dir", str(tmp_path / "full")], tmp_path)
+    killed = run_raw([*args, "--output-dir", str(tmp_path / "part")], tmp_path, KILL_AT="3")  # in iteration 3
+    assert killed.returncode == -9 and [os.path.basename(c) for c in pt.checkpoints(tmp_path / "part")] == \
+        ["step-00000001", "step-00000002"]
+    out = run_script(["--resume", f"{tmp_path / 'part'}/"], tmp_path)  # the flags come from the checkpoint
+    assert "resumed from" in out and "step-00000002 after iteration 2/4" in out
+    full, part = load_file(tmp_path / "full/policy/model.safetensors"), load_file(tmp_path / "part/policy/model.safetensors")
+    assert full.keys() == part.keys() and all(torch.equal(full[k], part[k]) for k in full)
+    a, b = read_metrics(tmp_path / "full"), read_metrics(tmp_path / "part")
+    assert [r["step"] for r in b] == [0, 1, 2, 3, 4]  # each iteration logged once
+    for key in ("pg_loss", "vf_loss", "reward_mean", "lr", "kl"):
+        assert [r.get(key) for r in a] == [r.get(key) for r in b], key
+    assert [os.path.basename(c) for c in pt.checkpoints(tmp_path / "part")] == ["step-00000003", "step-00000004"]
+    refused = run_raw([*args, "--output-dir", str(tmp_path / "part")], tmp_path)  # a finished run, without --resume
+    assert refused.returncode == 1 and "already holds a run" in refused.stderr and "--resume" in refused.stderr
+
+
+def test_a_kill_while_writing_a_checkpoint_leaves_the_previous_one_whole(tmp_path):
+    write_reward_module(tmp_path)
+    args = [*LOOP, "--save-every", "1", "--output-dir", str(tmp_path / "run")]
+    killed = run_raw(args, tmp_path, PPO_TOKENS_TEST_KILL_AT_CHECKPOINT="2")
+    assert killed.returncode == -9
+    assert [os.path.basename(c) for c in pt.checkpoints(tmp_path / "run")] == ["step-00000001"]
+    assert os.path.isdir(tmp_path / "run/checkpoints/.tmp-step-00000002")  # the half-written one, never used
+    assert load_into_fresh_models(pt.checkpoints(tmp_path / "run")[0])["step"] == 1
+    out = run_script([*args, "--resume"], tmp_path)
+    assert "step-00000001 after iteration 1/4" in out and "dropped 1 metrics records" in out
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [0, 1, 2, 3, 4]
+    older = pt.checkpoints(tmp_path / "run")[0]  # step 3: resuming from it sets the newer step 4 aside, never deletes it
+    out = run_script(["--resume", str(older)], tmp_path)
+    assert "set aside" in out and any(p.name.startswith(".abandoned-step-00000004-") for p in (tmp_path / "run/checkpoints").iterdir())
+    assert [os.path.basename(c) for c in pt.checkpoints(tmp_path / "run")] == ["step-00000003", "step-00000004"]
+
+
+def test_sigterm_after_a_save_every_checkpoint_does_not_rewrite_it_and_renames_reach_the_disk(tmp_path, monkeypatch,
+                                                                                              capsys):
+    (tmp_path / "term.py").write_text("import os, signal\ncalls = 0\ndef score(prompts, completions):\n"
+                                      "    global calls\n    calls += 1\n    if calls == 2:\n"
+                                      "        os.kill(os.getpid(), signal.SIGTERM)\n    return [0.0] * len(completions)\n")
+    monkeypatch.chdir(tmp_path)
+    synced = []
+    fsync_directory = pt.fsync_directory
+    monkeypatch.setattr(pt, "fsync_directory", lambda path: (synced.append((path, sorted(os.listdir(path)))),
+                                                             fsync_directory(path)))
+    args = [a if a != "count_ones:score" else "term:score" for a in LOOP]
+    cfg = pt.parse_config([*args, "--save-every", "1", "--output-dir", str(tmp_path / "run")])
+    os.makedirs(cfg.output_dir)
+    history = pt.train(cfg, pt.setup(cfg), cfg.output_dir)
+    out = capsys.readouterr().out
+    assert len(history) == 2 and "stopped by SIGTERM after iteration 2/4" in out
+    assert [l.split("/")[-1] for l in out.splitlines() if l.startswith("checkpoint: ")] == ["step-00000001",
+                                                                                           "step-00000002"]  # once each
+    root = str(tmp_path / "run" / "checkpoints")
+    assert (root, ["step-00000001"]) in synced and (root, ["step-00000001", "step-00000002"]) in synced
+
+
+def test_non_finite_rewards_skip_updates_then_stop_with_the_last_good_checkpoint_intact(tmp_path):
+    (tmp_path / "nan_later.py").write_text("calls = 0\ndef score(prompts, completions):\n    global calls\n"
+                                           "    calls += 1\n    return [float('nan') if calls > 2 else 0.5] * len(completions)\n")
+    args = [a if a != "count_ones:score" else "nan_later:score" for a in LOOP]
+    proc = run_raw([*args, "--steps", "6", "--save-every", "1", "--max-bad-steps", "2", "--output-dir",
+                    str(tmp_path / "run")], tmp_path)
+    assert proc.returncode == 1 and "stopping: 2 consecutive updates skipped for non-finite values" in proc.stderr
+    assert "the last good checkpoint is" in proc.stderr and "step-00000002" in proc.stderr.splitlines()[-1]
+    assert "update skipped: non-finite scores in rows [0, 1, 2, 3, 4, 5, 6, 7] ... of 16" in proc.stdout
+    records = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in records if "skipped_update" in r] == [3, 4]
+    assert [os.path.basename(c) for c in pt.checkpoints(tmp_path / "run")] == ["step-00000001", "step-00000002"]
+    load_into_fresh_models(pt.checkpoints(tmp_path / "run")[-1])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# torchrun: data-parallel PPO over processes (gloo on CPU)
+
+
+def torchrun(args, cwd, nproc=2, timeout=300, check=True):
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                           *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
+    assert not check or proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def digests(out):  # the per-rank checksums of the actor weights the run prints at its end
+    (line,) = [l for l in out.splitlines() if l.startswith("actor weights (sha256")]
+    return line.split(": ")[1].split()
+
+
+def first_iteration(world: int, rank: int):
+    """One scoring pass and one PPO update (SGD, 1 minibatch of 2-row micro-batches) on this rank's share of a fixed
+    batch of 8 rollouts, with DDP under torchrun. Returns (all-rank advantages, reduced stats, actor weights)."""
+    tokenizer, cfg = pt.build_demo_tokenizer(), pt.Config(batch_size=8, minibatches=1, ppo_epochs=1, response_length=4,
+                                                          micro_batch_size=2, whiten_scores=True)
+    policy = tiny_llama(len(tokenizer), seed=4, dtype=torch.float32)
+    reference = tiny_llama(len(tokenizer), seed=5, dtype=torch.float32).requires_grad_(False)
+    texts = [f"{a}+{b}=" for a, b in [(1, 2), (37, 45), (9, 90), (5, 5), (12, 3), (0, 0), (99, 99), (50, 7)]]
+    batch = demo_rollout(tokenizer, policy, texts).rows(torch.arange(rank * 8 // world, (rank + 1) * 8 // world))
+    actor, critic = (pt.wrap_for_training(m, cfg) for m in (pt.Actor(policy, 1.0), pt.build_critic(policy)))
+    pt.score_frozen(batch, reference, lambda b: (b.response % 3 == 0).float().sum(-1), cfg)
+    pt.score_trainer(batch, actor, critic, cfg, torch.arange(8 // world))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (actor, critic)]
+    stats = pt.reduce_record(pt.ppo_update(actor, critic, *opts, batch, cfg, [torch.arange(8 // world)]), world)
+    advantages = [torch.zeros_like(batch.advantages) for _ in range(world)]
+    if world > 1:
+        torch.distributed.all_gather(advantages, batch.advantages)
+    return torch.cat(advantages if world > 1 else [batch.advantages]), stats, [p.detach() for p in policy.parameters()]
+
+
+def test_whitening_and_the_first_update_do_not_depend_on_the_world_size(tmp_path):
+    torchrun([os.path.abspath(__file__), str(tmp_path / "world2.pt")], tmp_path)
+    advantages, stats, weights = first_iteration(1, 0)
+    two = torch.load(tmp_path / "world2.pt")
+    torch.testing.assert_close(two["advantages"], advantages, rtol=1e-5, atol=1e-6)  # whitened over both ranks
+    assert abs(float(two["advantages"][:4][two["advantages"][:4] != 0].mean())) > 1e-3  # not whitened per rank
+    for key in ("pg_loss", "vf_loss", "entropy", "clipfrac", "approx_kl", "grad_norm", "critic_grad_norm"):
+        assert math.isclose(two["stats"][key], stats[key], rel_tol=1e-4, abs_tol=1e-6), (key, two["stats"][key], stats[key])
+    for a, b in zip(two["weights"], weights):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_torchrun_two_ranks_ddp_and_fsdp2_train_resume_and_stay_identical(tmp_path):
+    from transformers import AutoModelForCausalLM
+    write_reward_module(tmp_path)
+    args = [SCRIPT, *LOOP, "--steps", "3", "--save-every", "2", "--micro-batch-size", "0", "--micro-batch-tokens", "40",
+            "--gradient-checkpointing"]  # packed micro-batches and checkpointed layers, under DDP and FSDP2 alike
+    out = torchrun([*args, "--output-dir", str(tmp_path / "ddp")], tmp_path).stdout
+    first, second = digests(out)
+    assert first == second and out.count("it    3/3") == 1  # DDP keeps the replicas identical; one rank prints
+    assert [r["step"] for r in read_metrics(tmp_path / "ddp")] == [0, 1, 2, 3]
+    assert sorted(p.name for p in tmp_path.rglob("metrics.jsonl")) == ["metrics.jsonl"]  # written once, by rank 0
+    check_outputs(tmp_path / "ddp", 3)
+    fsdp = digests(torchrun([*args, "--fsdp", "--output-dir", str(tmp_path / "fsdp")], tmp_path).stdout)
+    # FSDP2 holds one copy of each weight (its digest is of a gather, equal on every rank by construction): its
+    # update must be DDP's, up to the order of the gradient reductions
+    ddp_policy, fsdp_policy = (AutoModelForCausalLM.from_pretrained(tmp_path / d / "policy") for d in ("ddp", "fsdp"))
+    for (name, a), b in zip(ddp_policy.state_dict().items(), fsdp_policy.state_dict().values()):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, msg=name)
+    assert any(not torch.equal(a, b) for a, b in zip(ddp_policy.state_dict().values(),
+                                                     AutoModelForCausalLM.from_pretrained(
+                                                         tmp_path / "ddp/checkpoints/step-00000002/policy").state_dict().values()))
+    resumed = torchrun([SCRIPT, "--resume", str(pt.checkpoints(tmp_path / "fsdp")[0])], tmp_path).stdout
+    assert "step-00000002 after iteration 2/3" in resumed and digests(resumed) == fsdp  # the same final weights
+    (tmp_path / "rank_one_fails.py").write_text("import os\ndef score(prompts, completions):\n"
+                                               "    if os.environ['RANK'] == '1':\n"
+                                               "        raise RuntimeError('reward server unreachable from rank 1')\n"
+                                               "    return [0.0] * len(completions)\n")
+    failed = torchrun([*[a if a != "count_ones:score" else "rank_one_fails:score" for a in args], "--output-dir",
+                       str(tmp_path / "fails")], tmp_path, timeout=120, check=False)
+    assert failed.returncode != 0 and "reward server unreachable from rank 1" in failed.stdout + failed.stderr
+
+
+def test_batch_sizes_are_checked_against_the_world_size(monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(SystemExit):
+        pt.parse_config(["--batch-size", "24", "--minibatches", "4"])
+    assert "--batch-size 24 must be divisible by --minibatches 4 x 4 ranks (torchrun's WORLD_SIZE)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        pt.parse_config(["--batch-size", "32", "--minibatches", "2", "--micro-batch-size", "3"])
+    assert "the minibatch size per rank (--batch-size 32 / --minibatches 2 x 4 ranks" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # one device per rank, cuda:LOCAL_RANK (checked before CUDA's presence)
+        pt.parse_config(["--batch-size", "32", "--device", "cuda:1"])
+    assert "--device cuda:1: under torchrun each rank uses cuda:LOCAL_RANK" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# benchmarks
+
+
+def test_bench_rollout_runs_and_ends_with_the_ratio_line(tmp_path):  # the entry point; speeds are not asserted
+    out = run_script(["--bench-rollout", "--batch-size", "8", "--response-length", "3", "--minibatches", "2",
+                      "--demo-hidden", "32", "--demo-layers", "1", "--device", "cpu"], tmp_path)
+    assert all(row in out for row in ("HF generate", "plain loop", "StaticDecoder", "padded", "packed"))
+    assert re.fullmatch(r"sampler vs generate: \d+\.\d\dx", out.strip().splitlines()[-1])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the command line: config errors name the flags, --help lists every field, bad input is refused in one line
+
+
+def test_config_errors_name_the_flags(capsys):
+    cases = [(["--batch-size", "10", "--minibatches", "4"], "--batch-size 10 must be divisible by --minibatches 4"),
+             (["--batch-size", "16", "--minibatches", "2", "--micro-batch-size", "3"], "--micro-batch-size 3"),
+             (["--temperature", "0"], "--temperature must be > 0"),
+             (["--max-staleness", "-1"], "--max-staleness must be >= 0"),
+             (["--is-mode", "clip"], "--is-mode must be truncate or mask"),
+             (["--kl-estimator", "k2"], "--kl-estimator must be k1 or k3")]
+    if not torch.cuda.is_available():
+        cases.append((["--device", "cuda"], "--device cuda: CUDA is not available here; use --device cpu"))
+    for argv, message in cases:
+        with pytest.raises(SystemExit) as e:
+            pt.parse_config(argv)
+        assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_help_lists_every_config_field():
+    out = subprocess.run([sys.executable, SCRIPT, "--help"], capture_output=True, text=True, check=True).stdout
+    for f in pt.dataclasses.fields(pt.Config):
+        assert "--" + f.name.replace("_", "-") in out
+    assert "PPO ratio clip epsilon" in out
+
+
+def exit_of(argv, capsys):  # (exit status, message) of the real entry point, in-process
+    with pytest.raises(SystemExit) as e:
+        pt.main(argv)
+    err = capsys.readouterr().err
+    return (e.value.code, err) if isinstance(e.value.code, int) else (1, str(e.value.code))  # as the interpreter
+
+
+def test_bad_input_is_refused_with_one_clear_line(tmp_path, capsys, monkeypatch, tokenizer):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bad_rewards_2.py").write_text("def boom(p, c):\n    raise ValueError('no scorer')\n"
+                                               "def words(p, c):\n    return ['high'] * len(c)\n")
+    write_reward_module(tmp_path)
+    (tmp_path / "empty.jsonl").write_text("\n\n")
+    (tmp_path / "broken.jsonl").write_text('{"prompt": "1+1"}\n{"prompt": "2+2"}\n{"text": "3+3"}\n')
+    (tmp_path / "binary.jsonl").write_bytes(b"\xff\xfe\x00garbage")
+    (tmp_path / "long.jsonl").write_text(json.dumps({"prompt": "1" * 70}) + "\n")
+    no_eos = pt.build_demo_tokenizer()
+    no_eos.eos_token = None
+    tiny_llama(len(tokenizer), dtype=torch.float32).save_pretrained(tmp_path / "no_eos")
+    no_eos.save_pretrained(tmp_path / "no_eos")
+    from transformers import MambaConfig, MambaForCausalLM  # a recurrent state the batched sampler cannot drive
+    MambaForCausalLM(MambaConfig(vocab_size=len(tokenizer), hidden_size=16, num_hidden_layers=1, state_size=4,
+                                 expand=1)).save_pretrained(tmp_path / "mamba")
+    tokenizer.save_pretrained(tmp_path / "mamba")
+    os.makedirs(tmp_path / "old_run/checkpoints/step-00000003")
+    base = [*LOOP, "--steps", "1"]
+    with_prompts = lambda f: [*base, "--prompts", str(tmp_path / f)]
+    (tmp_path / "good.jsonl").write_text(json.dumps({"prompt": "1+1"}) + "\n")
+    capsys.readouterr()
+    cases = [([*with_prompts("good.jsonl"), "--model", str(tmp_path / "nowhere")], 1, f"--model {tmp_path / 'nowhere'}: cannot load"),
+             ([*base, "--reward", "", "--reward-model", "nowhere"], 2, "--reward-model nowhere: no such directory"),
+             ([*base, "--prompts", "nowhere.jsonl"], 2, "--prompts nowhere.jsonl: no such file"),
+             (with_prompts("binary.jsonl"), 1, "cannot read it as UTF-8 text"),
+             (with_prompts("empty.jsonl"), 1, "the file holds no prompts"),
+             (with_prompts("broken.jsonl"), 1, "line 3 is not a JSON object with a 'prompt' field"),
+             ([*with_prompts("long.jsonl"), "--max-prompt-length", "30", "--long-prompts", "refuse"], 1,
+              "1 of 1 prompts are longer than --max-prompt-length 30 tokens (the first is prompt 1)"),
+             ([*with_prompts("long.jsonl"), "--max-prompt-length", "100"], 1,
+              "the longest prompt (71 tokens) plus --response-length 6 exceeds the model's context of 64 tokens"),
+             ([*base, "--reward", "bad_rewards_2:boom"], 1, "the reward function raised ValueError: no scorer"),
+             ([*base, "--reward", "bad_rewards_2:words"], 1, "the reward function must return a list of numbers"),
+             ([*base, "--reward", "bad_rewards_2:missing"], 1, "--reward 'bad_rewards_2:missing': cannot load it"),
+             ([*with_prompts("good.jsonl"), "--model", str(tmp_path / "no_eos")], 1, "has no EOS token"),
+             ([*with_prompts("good.jsonl"), "--model", str(tmp_path / "mamba")], 1, "mamba is not supported"),
+             ([*base, "--batch-size", "15"], 2, "--batch-size 15 must be divisible by --minibatches 2"),
+             ([*base, "--temperature", "-1"], 2, "--temperature must be > 0"),
+             ([*base, "--output-dir", str(tmp_path / "old_run")], 1, "already holds a run (metrics.jsonl, checkpoints); "
+              "continue it with --resume"),
+             ([*base, "--resume", "--output-dir", ""], 2, "--resume needs --output-dir DIR"),
+             ([*base, "--resume", str(tmp_path / "nowhere")], 2, "--resume: no whole checkpoint in")]
+    if not torch.cuda.is_available():
+        cases.append(([*base, "--device", "cuda"], 2, "--device cuda: CUDA is not available here; use --device cpu"))
+    for i, (argv, status, message) in enumerate(cases):
+        if "--output-dir" not in argv:
+            argv = [*argv, "--output-dir", str(tmp_path / f"run{i}")]
+        code, err = exit_of(argv, capsys)
+        assert (code, message in err) == (status, True), (argv, code, err)
+        assert len(err.strip().splitlines()) == 1 or status == 2, err  # one line (argparse adds a usage line)
+    with open(tmp_path / "old_run/checkpoints/step-00000003/config.json", "w") as f:
+        json.dump(pt.dataclasses.asdict(pt.parse_config(base)), f)
+    code, err = exit_of(["--resume", str(tmp_path / "old_run"), "--lr", "0.1"], capsys)
+    assert code == 2 and "--lr 0.1 differs from the checkpoint's 0.003; drop the flag or start a new run" in err
+    ids = pt.format_prompts(tokenizer, ["1" * 70, "12"], False, 30)
+    assert [len(x) for x in ids] == [30, 3] and "1 of 2 prompts are longer than --max-prompt-length 30" in capsys.readouterr().out
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -306,20 +1534,6 @@ def test_large_magnitude_logits(backend):
     upstream = [torch.randn(tokens.shape, dtype=torch.float64) for _ in range(2)]
     close(grads_of(got, [x], upstream)[0], grads_of(want, [x_ref], upstream)[0], rtol=1e-4, atol=1e-5,
           what="d logits")  # as in the fp32 test above
-
-
-def make_kept(tokens, vocab, k, drop_sampled=()):
-    """Distinct kept ids per row with the sampled token among them (except rows in drop_sampled), -1 padded."""
-    n = tokens.shape[0]
-    kept = torch.full((n, k), -1, dtype=torch.long)
-    for i in range(n):
-        size = int(torch.randint(2, k + 1, ()))
-        ids = torch.randperm(vocab)[:size]
-        tok = int(tokens[i]) % vocab
-        ids = ids[ids != tok][: size - 1]
-        ids = ids if i in drop_sampled else torch.cat([ids, torch.tensor([tok])])
-        kept[i, :ids.numel()] = ids[torch.randperm(ids.numel())]
-    return kept
 
 
 @pytest.mark.usefixtures("kernel_env")
@@ -458,1191 +1672,6 @@ def test_linear_all_rows_masked_and_no_grad():
     assert logp.grad_fn is None
     close(logp, kernels.token_logprobs(hidden.detach() @ weight.detach().T, tokens)[0], rtol=1e-5, atol=1e-5,
           what="no-grad linear")  # fp32 both
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# rollout: masks, EOS, padding, position ids, temperature, behaviour log-probs
-
-
-class ScriptedLM(torch.nn.Module):
-    """A stand-in sampler whose step-t logits force script[b][t]; it records the position ids it is given."""
-
-    def __init__(self, script, vocab_size):
-        super().__init__()
-        self.script, self.V, self.seen_positions, self.calls = torch.tensor(script), vocab_size, [], 0
-
-    def forward(self, input_ids, attention_mask, position_ids, cache=None, use_cache=None):
-        self.seen_positions.append(position_ids.clone())
-        logits = torch.full((input_ids.shape[0], input_ids.shape[1], self.V), -30.0)
-        logits[torch.arange(input_ids.shape[0]), -1, self.script[:, self.calls]] = 30.0
-        self.calls += 1
-        return SimpleNamespace(logits=logits, cache=cache)
-
-
-def test_generate_stops_per_row_at_eos_pads_after_and_keeps_eos_in_mask(tokenizer):
-    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-    d = {c: tokenizer.convert_tokens_to_ids(c) for c in "0123456789"}
-    script = [[d["4"], eos, d["1"], d["1"], d["1"]],  # ends early: EOS at t=1
-              [d["1"], d["2"], d["3"], d["4"], d["5"]],  # never emits EOS
-              [eos, d["7"], d["7"], d["7"], d["7"]]]  # EOS first
-    lm = ScriptedLM(script, len(tokenizer))
-    texts = ["1+2=", "37+45=", "9+9="]  # ragged prompt lengths -> left padding
-    ids, mask = pt.left_pad(pt.format_prompts(tokenizer, texts, False, 64), pad, "cpu")
-    batch = pt.generate(lm, ids, mask, max_new_tokens=5, temperature=1.0, stop_ids=eos, pad_id=pad,
-                        generator=torch.Generator().manual_seed(0), policy_version=3)
-    assert batch.response.tolist() == [[d["4"], eos, pad, pad, pad], [d["1"], d["2"], d["3"], d["4"], d["5"]],
-                                       [eos, pad, pad, pad, pad]]
-    assert batch.response_mask.tolist() == [[1, 1, 0, 0, 0], [1] * 5, [1, 0, 0, 0, 0]]  # EOS is a real token
-    assert batch.ended.tolist() == [True, False, True]
-    assert (batch.behav_logprobs[~batch.response_mask.bool()] == 0).all()
-    assert (batch.policy_version == 3).all()
-    # position ids: cumsum(mask) - 1 over the left-padded prompt, then one more per step
-    assert lm.seen_positions[0].tolist() == [[0, 0, 0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5, 6], [0, 0, 0, 1, 2, 3, 4]]
-    assert lm.seen_positions[1].tolist() == [[5], [7], [5]]
-    assert pt.decode_completions(tokenizer, batch) == ["4", "12345", ""]
-
-
-def test_generate_exits_early_when_every_row_has_ended(tokenizer):
-    eos = tokenizer.eos_token_id
-    lm = ScriptedLM([[eos] * 16, [eos] * 16], len(tokenizer))
-    ids, mask = pt.left_pad([[1, 5], [1, 6]], tokenizer.pad_token_id, "cpu")
-    batch = pt.generate(lm, ids, mask, max_new_tokens=16, temperature=1.0, stop_ids=eos, pad_id=tokenizer.pad_token_id,
-                        generator=torch.Generator())
-    assert batch.response.shape[1] == 4 and lm.calls == 4  # checked every 4 steps, not after all 16
-
-
-@pytest.mark.parametrize("temperature,top_k,top_p,full_logits", [(1.0, 0, 1.0, False), (0.7, 0, 1.0, True),
-                                                                 (0.7, 0, 1.0, False), (1.3, 5, 1.0, False),
-                                                                 (1.0, 0, 0.8, True)])
-def test_behaviour_logprobs_equal_recomputed_logprobs(tokenizer, temperature, top_k, top_p, full_logits):
-    policy = tiny_llama(len(tokenizer), seed=2)
-    texts = ["1+2=", "37+45=", "9+90=", "5+5="]
-    batch = demo_rollout(tokenizer, policy, texts, temperature, top_k, top_p, T=6)
-    logprobs, entropy = pt.sequence_logprobs(policy, *pt.full_sequence(batch), batch.response, batch.response_mask,
-                                             temperature, batch.kept_ids, full_logits)
-    # same weights, same temperature, same positions: only KV-cache vs full-forward rounding (float64) differs
-    torch.testing.assert_close(logprobs.double(), batch.behav_logprobs.double(), rtol=0, atol=1e-9)
-    assert (logprobs[~batch.response_mask.bool()] == 0).all()
-    if top_k == 0 and top_p == 1.0:  # a different temperature when scoring would not match: the test can fail
-        wrong, _ = pt.sequence_logprobs(policy, *pt.full_sequence(batch), batch.response, batch.response_mask,
-                                        temperature + 0.5)
-        assert (wrong - logprobs).abs().max() > 1e-3
-    if top_k or top_p < 1:  # kept-set renormalisation: kept ids recorded, log-probs >= the full-vocab ones
-        assert batch.kept_ids.shape[:2] == batch.response.shape
-        full, _ = pt.sequence_logprobs(policy, *pt.full_sequence(batch), batch.response, batch.response_mask,
-                                       temperature)
-        assert (logprobs >= full - 1e-9).all() and (logprobs > full + 1e-6).any()
-
-
-def tiny_gpt2(vocab_size, seed=0):  # absolute position embeddings: wrong position ids change every logit
-    from transformers import GPT2Config, GPT2LMHeadModel
-    torch.manual_seed(seed)
-    config = GPT2Config(vocab_size=vocab_size, n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0,
-                        embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=False)
-    return GPT2LMHeadModel(config).double().eval()
-
-
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
-def test_left_padding_gives_the_same_logprobs_as_no_padding(tokenizer, family):
-    policy = (tiny_llama if family == "llama" else tiny_gpt2)(len(tokenizer), seed=3)
-    prompt = pt.format_prompts(tokenizer, ["12+34="], False, 64)[0]
-    response = torch.tensor([[tokenizer.convert_tokens_to_ids("4"), tokenizer.convert_tokens_to_ids("6"),
-                              tokenizer.eos_token_id]])
-    results = []
-    for n_pad in (0, 5):
-        ids, mask = pt.left_pad([prompt, [1] * (len(prompt) + n_pad)], tokenizer.pad_token_id, "cpu")
-        batch = pt.Rollout(ids[:1], mask[:1], response, torch.ones_like(response), None, None, None)
-        results.append(pt.sequence_logprobs(policy, *pt.full_sequence(batch), response, batch.response_mask, 1.0)[0])
-        if n_pad and family == "gpt2":  # naive positions 0..L-1 count the pads: wrong (RoPE is shift-invariant, so
-            ids_, mask_, _ = pt.full_sequence(batch)  # a Llama would not notice; absolute positions do)
-            naive = torch.arange(ids_.shape[1])[None]
-            wrong = pt.sequence_logprobs(policy, ids_, mask_, naive, response, batch.response_mask, 1.0)[0]
-            assert (wrong - results[0]).abs().max() > 1e-4
-    torch.testing.assert_close(results[0], results[1], rtol=0, atol=1e-10)
-
-
-def test_behaviour_logprobs_equal_recomputed_logprobs_gpt2(tokenizer):
-    policy = tiny_gpt2(len(tokenizer), seed=2)
-    batch = demo_rollout(tokenizer, policy, ["1+2=", "37+45=", "9+90="], 0.8, T=6)
-    logprobs, _ = pt.sequence_logprobs(policy, *pt.full_sequence(batch), batch.response, batch.response_mask, 0.8)
-    torch.testing.assert_close(logprobs.double(), batch.behav_logprobs.double(), rtol=0, atol=1e-9)
-
-
-def test_pad_token_is_added_when_missing_or_equal_to_eos(tokenizer):
-    import copy
-    tok = copy.deepcopy(tokenizer)
-    tok.pad_token = tok.eos_token  # the common pad = EOS set-up
-    model = tiny_llama(len(tok), dtype=torch.float32)
-    n_rows = model.get_input_embeddings().weight.shape[0]
-    pt.ensure_pad_token(tok, model)
-    assert tok.pad_token_id not in (None, tok.eos_token_id)
-    assert model.get_input_embeddings().weight.shape[0] == max(n_rows, len(tok)) > tok.pad_token_id
-    # and the real EOS of a completion stays in the mask while pads after it do not
-    eos = tok.eos_token_id
-    lm = ScriptedLM([[eos, 5, 5]], len(tok))
-    ids, mask = pt.left_pad([[1, 5]], tok.pad_token_id, "cpu")
-    batch = pt.generate(lm, ids, mask, max_new_tokens=3, temperature=1.0, stop_ids=eos, pad_id=tok.pad_token_id,
-                        generator=torch.Generator())
-    assert batch.response_mask.tolist() == [[1, 0, 0]] and batch.response[0, 1] == tok.pad_token_id != eos
-
-
-def test_sampling_draws_torch_multinomials_tokens_bit_for_bit():
-    for seed, (B, V) in enumerate([(64, 37), (5, 1000), (1, 2)]):
-        logits = torch.randn(B, V, generator=torch.Generator().manual_seed(seed)) * 4
-        logits[:, : V // 3] = float("-inf")  # zero-probability ids, as after top-k / top-p
-        probs = torch.softmax(logits, -1)
-        for draw in range(3):
-            expected = torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(draw)).squeeze(1)
-            assert torch.equal(pt.sample_tokens(probs, torch.Generator().manual_seed(draw)), expected)
-
-
-def test_every_stop_id_of_the_generation_config_ends_a_row(tokenizer):
-    import copy
-    from transformers import GenerationConfig
-    tok, eos, pad = copy.deepcopy(tokenizer), tokenizer.eos_token_id, tokenizer.pad_token_id
-    eot, d = tok.convert_tokens_to_ids("+"), {c: tok.convert_tokens_to_ids(c) for c in "0123456789"}
-    model = tiny_llama(len(tok), dtype=torch.float32)
-    model.generation_config = GenerationConfig(eos_token_id=[eot, eos])  # a chat model's end-of-turn and EOS
-    stop_ids = pt.stop_token_ids(tok, model)
-    assert stop_ids == sorted([eot, eos])
-    lm = ScriptedLM([[d["4"], eot, d["1"], d["1"]], [d["1"], eos, d["5"], d["5"]], [d["1"]] * 4], len(tok))
-    ids, mask = pt.left_pad([[1, 5], [1, 6], [1, 7]], pad, "cpu")
-    batch = pt.generate(lm, ids, mask, max_new_tokens=4, temperature=1.0, stop_ids=stop_ids, pad_id=pad,
-                        generator=torch.Generator())
-    assert batch.response.tolist() == [[d["4"], eot, pad, pad], [d["1"], eos, pad, pad], [d["1"]] * 4]
-    assert batch.response_mask.tolist() == [[1, 1, 0, 0], [1, 1, 0, 0], [1] * 4]  # the stop token is real
-    assert batch.ended.tolist() == [True, True, False]  # so no missing-EOS penalty for the first two
-    assert pt.decode_completions(tok, batch) == ["4", "1", "1111"]  # the text ends before the stop token
-    rewards = pt.per_token_rewards(torch.ones(3), torch.zeros(3, 4), batch.response_mask, 0.0)
-    assert rewards.tolist() == [[0, 1, 0, 0], [0, 1, 0, 0], [0, 0, 0, 1]]  # the score lands on the stop token
-    tok.pad_token = "+"  # a pad that is a stop id (Qwen's <|endoftext|>) is replaced by one of our own
-    pt.ensure_pad_token(tok, model, stop_ids)
-    assert tok.pad_token == pt.PAD_TOKEN and tok.pad_token_id not in stop_ids
-
-
-def test_our_added_pad_token_is_never_sampled_and_scoring_agrees(tokenizer):
-    import copy
-    tok = copy.deepcopy(tokenizer)
-    tok.pad_token = tok.eos_token  # no pad of its own: ensure_pad_token adds one, a new id past the vocabulary
-    policy = tiny_llama(len(tok), seed=3)
-    vocab = pt.ensure_pad_token(tok, policy)
-    assert vocab == len(tokenizer) == tok.pad_token_id < policy.lm_head.weight.shape[0]
-    ids, mask = pt.left_pad(pt.format_prompts(tok, ["1+2=", "37+45=", "9+90="], False, 64), tok.pad_token_id, "cpu")
-    with torch.no_grad():  # make the new row's logit dominate: unmasked, the pad would be sampled nearly always
-        hidden = policy.model(input_ids=ids).last_hidden_state.mean((0, 1))
-        policy.lm_head.weight[tok.pad_token_id] = 20 * hidden / hidden.square().sum()
-    kwargs = dict(max_new_tokens=6, temperature=1.0, stop_ids=tok.eos_token_id, pad_id=tok.pad_token_id)
-    unmasked = pt.generate(policy, ids, mask, **kwargs, generator=torch.Generator().manual_seed(0))
-    assert (unmasked.response[unmasked.response_mask.bool()] == tok.pad_token_id).any()  # the test can fail
-    batch = pt.generate(policy, ids, mask, **kwargs, vocab=vocab, generator=torch.Generator().manual_seed(0))
-    assert (batch.response[batch.response_mask.bool()] < vocab).all()
-    scored, _ = pt.sequence_logprobs(policy, *pt.full_sequence(batch), batch.response, batch.response_mask, 1.0,
-                                     vocab=vocab)  # sampler and scorer: the same distribution over ids < vocab
-    torch.testing.assert_close(scored, batch.behav_logprobs, rtol=0, atol=1e-9)
-    full, _ = pt.sequence_logprobs(policy, *pt.full_sequence(batch), batch.response, batch.response_mask, 1.0,
-                                   full_logits=True, vocab=vocab)
-    torch.testing.assert_close(full, scored, rtol=0, atol=1e-9)
-    assert pt.full_sequence(batch)[0].max() < vocab  # no model ever reads our pad id (a reward model lacks its row)
-
-
-def test_fused_head_is_checked_against_the_models_own_logits(tokenizer):
-    from transformers import Gemma2Config, Gemma2ForCausalLM
-    policy = tiny_llama(len(tokenizer), dtype=torch.float32)
-    assert pt.fused_head_agrees(policy)
-    head = policy.lm_head  # a model that scales its logits in its own code (as Falcon-H1's lm_head_multiplier)
-    policy.lm_head = torch.nn.Linear(32, len(tokenizer), bias=False)
-    policy.lm_head.weight = head.weight
-    policy.lm_head.forward = lambda h: torch.nn.functional.linear(h, head.weight) * 0.5
-    assert not pt.fused_head_agrees(policy)
-    torch.manual_seed(0)
-    gemma = Gemma2ForCausalLM(Gemma2Config(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1,
-                                           num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                                           intermediate_size=64, final_logit_softcapping=0.5)).eval()
-    assert not pt.fused_head_agrees(gemma)  # softcapping
-    gemma.config.final_logit_softcapping = 30.0  # a real model's cap: the random model's logits never reach it
-    assert not pt.fused_head_agrees(gemma)
-
-
-def test_hybrid_models_sample_with_their_own_cache_and_scoring_agrees(tokenizer):
-    """Falcon-H1 (Mamba-2 and attention layers side by side): the plain loop lets the model build its hybrid cache
-    (a bare DynamicCache crashed with an IndexError), and its logit multiplier rules out the fused head."""
-    from transformers import FalconH1Config, FalconH1ForCausalLM
-    torch.manual_seed(0)
-    policy = FalconH1ForCausalLM(FalconH1Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
-                                                num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                                                head_dim=16, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8,
-                                                mamba_n_groups=1, mamba_d_state=8, mamba_chunk_size=4,
-                                                lm_head_multiplier=0.5, max_position_embeddings=64)).double().eval()
-    assert not pt.fused_head_agrees(policy)
-    batch = demo_rollout(tokenizer, policy, ["1+2=", "37+45=", "9+90="], T=5)  # ragged: left-padded prompts
-    logprobs, _ = pt.sequence_logprobs(policy, *pt.full_sequence(batch), batch.response, batch.response_mask, 1.0,
-                                       full_logits=True)
-    torch.testing.assert_close(logprobs, batch.behav_logprobs, rtol=0, atol=1e-8)
-
-
-def test_dropout_is_off_in_every_model():
-    model = tiny_llama(16, attention_dropout=0.5, dtype=torch.float32).train()
-    model.model.layers[0].mlp.add_module("drop", torch.nn.Dropout(0.5))  # a dropout module too
-    model.model.layers[0].mlp.forward = (lambda mlp: lambda x: mlp.drop(mlp.down_proj(
-        mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))))(model.model.layers[0].mlp)
-    x = torch.randint(0, 16, (2, 8))
-    assert not torch.equal(model(x).logits, model(x).logits)  # dropout active: the test can fail
-    pt.disable_dropout(model)
-    assert torch.equal(model(x).logits, model(x).logits)  # still in train mode, now deterministic
-    assert model.config.attention_dropout == 0.0
-
-
-def test_critic_starts_at_zero_or_from_the_reward_model(tokenizer):
-    policy = tiny_llama(len(tokenizer), dtype=torch.float32)
-    critic = pt.build_critic(policy)
-    ids, mask = pt.left_pad([[1, 5, 6], [1, 7]], tokenizer.pad_token_id, "cpu")
-    assert (critic(ids, mask, pt.positions(mask)) == 0).all()  # zero head: first advantages are the rewards
-    assert all(p.requires_grad for p in critic.parameters())
-    assert all(a.data_ptr() != b.data_ptr() for a, b in zip(critic.backbone.parameters(), policy.model.parameters()))
-    rm = pt.ScalarHeadModel(tiny_llama(len(tokenizer), seed=5, dtype=torch.float32).model, torch.nn.Linear(32, 1, bias=False))
-    from_rm = pt.build_critic(policy, rm, same_tokenizer=True)
-    torch.testing.assert_close(from_rm(ids, mask, pt.positions(mask)), rm(ids, mask, pt.positions(mask)))
-    assert (pt.build_critic(policy, rm, same_tokenizer=False)(ids, mask, pt.positions(mask)) == 0).all()
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# scoring and the update
-
-
-def tiny_setup(tokenizer, **cfg_overrides):
-    cfg = pt.Config(**{"batch_size": 8, "minibatches": 2, "ppo_epochs": 2, "response_length": 4, **cfg_overrides})
-    pt.check_config(cfg)
-    policy = tiny_llama(len(tokenizer), seed=4, dtype=torch.float32)
-    pt.disable_dropout(policy)
-    reference = tiny_llama(len(tokenizer), seed=5, dtype=torch.float32).requires_grad_(False)
-    critic = pt.build_critic(policy)
-    texts = [f"{a}+{b}=" for a, b in [(1, 2), (37, 45), (9, 90), (5, 5), (12, 3), (0, 0), (99, 99), (50, 7)]]
-    batch = demo_rollout(tokenizer, policy, texts, cfg.temperature, T=cfg.response_length)
-    return cfg, policy, reference, critic, batch
-
-
-def score(batch, policy, reference, critic, reward_fn, cfg, row_order=None):
-    pt.score_frozen(batch, reference, reward_fn, cfg)
-    return pt.score_trainer(batch, policy, critic, cfg, row_order)
-
-
-def constant_reward(value):
-    return lambda b: torch.full((b.response.shape[0],), float(value))
-
-
-def test_ratio_is_exactly_one_on_the_first_minibatch(tokenizer):
-    cfg, policy, reference, critic, batch = tiny_setup(tokenizer, micro_batch_size=2)
-    orders = [torch.randperm(8) for _ in range(cfg.ppo_epochs)]
-    score(batch, policy, reference, critic, constant_reward(1.0), cfg, orders[0])
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (policy, critic)]
-    stats = pt.ppo_update(policy, critic, *opts, batch, cfg, orders)
-    assert stats["first_ratio_max_dev"] == 0.0
-    assert stats["approx_kl"] > 0  # the later minibatches did move the policy
-
-
-def sgd_update(tokenizer, prepare=None, **cfg_overrides):  # one ppo_update with plain SGD (lr 1): the step is the gradient
-    """Returns (stats, the policy's step, the critic's step)."""
-    cfg, policy, reference, critic, batch = tiny_setup(tokenizer, **cfg_overrides)
-    if prepare is not None:
-        prepare(policy, critic)
-    orders = [torch.randperm(8, generator=torch.Generator().manual_seed(0)) for _ in range(cfg.ppo_epochs)]
-    score(batch, policy, reference, critic, lambda b: torch.arange(8.0), cfg, orders[0])
-    before = [[p.detach().clone() for p in m.parameters()] for m in (policy, critic)]
-    opts = [torch.optim.SGD(m.parameters(), lr=1.0) for m in (policy, critic)]
-    stats = pt.ppo_update(policy, critic, *opts, batch, cfg, orders)
-    return stats, *([p.detach() - b for p, b in zip(m.parameters(), old)] for m, old in zip((policy, critic), before))
-
-
-def test_micro_batch_accumulation_gives_the_minibatch_gradient(tokenizer):
-    no_clip = dict(ppo_epochs=1, minibatches=1, max_grad_norm=1e9)  # (a clipped step would hide a uniform scale error)
-    _, whole, whole_critic = sgd_update(tokenizer, **no_clip)
-    _, micro, micro_critic = sgd_update(tokenizer, **no_clip, micro_batch_size=2)
-    for a, b in zip(whole + whole_critic, micro + micro_critic):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
-    assert max(float(a.abs().max()) for a in whole) > 1e-4 and max(float(a.abs().max()) for a in whole_critic) > 1e-4
-
-
-def test_gradient_clipping_bounds_each_step(tokenizer):
-    stats, step, _ = sgd_update(tokenizer, ppo_epochs=1, minibatches=1, max_grad_norm=1e-3)
-    assert stats["grad_norm"] > 1e-3  # clipping was needed ...
-    norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(s) for s in step])))
-    assert abs(norm - 1e-3) < 1e-6  # ... and the step (lr 1) has exactly the clipped norm
-
-
-def test_adamw_eps_and_linear_lr_decay(tokenizer):
-    cfg = pt.Config(steps=10, lr=1e-3)
-    policy, critic = tiny_llama(len(tokenizer), dtype=torch.float32), tiny_llama(len(tokenizer), dtype=torch.float32)
-    policy_opt, critic_opt, schedules = pt.make_optimizers(cfg, policy, critic)
-    assert policy_opt.param_groups[0]["eps"] == 1e-5 and critic_opt.param_groups[0]["lr"] == cfg.critic_lr
-    lrs = []
-    for _ in range(10):
-        lrs.append(schedules[0].get_last_lr()[0])
-        policy_opt.step()
-        schedules[0].step()
-    assert lrs == pytest.approx([1e-3 * (1 - s / 10) for s in range(10)])
-    cfg.lr_decay = False
-    policy_opt, _, schedules = pt.make_optimizers(cfg, policy, critic)
-    policy_opt.step()
-    schedules[0].step()
-    assert schedules[0].get_last_lr()[0] == 1e-3
-
-
-def test_missing_eos_penalty_and_score_whitening(tokenizer):
-    cfg, policy, reference, critic, batch = tiny_setup(tokenizer, missing_eos_penalty=0.5)
-    batch.ended = torch.tensor([True, False] * 4)
-    score(batch, policy, reference, critic, constant_reward(1.0), cfg)
-    assert batch.scores.tolist() == [1.0, 0.5] * 4
-    cfg.whiten_scores = True
-    score(batch, policy, reference, critic, lambda b: torch.arange(8.0), cfg)
-    assert abs(float(batch.scores.mean())) < 1e-6 and abs(float(batch.scores.std()) - 1) < 1e-4
-
-
-def test_kl_in_the_reward_and_identical_reference_gives_zero_kl(tokenizer):
-    cfg, policy, _, critic, batch = tiny_setup(tokenizer, kl_coef=0.1)
-    kl = score(batch, policy, policy, critic, constant_reward(0.0), cfg)
-    assert float(kl.abs().max()) == 0.0  # reference == policy: no penalty
-    cfg, policy, reference, critic, batch = tiny_setup(tokenizer, kl_coef=0.1, kl_estimator="k3")
-    kl = score(batch, policy, reference, critic, constant_reward(0.0), cfg)
-    expected = torch.where(batch.response_mask.bool(), -0.1 * pt.kl_estimate(batch.old_logprobs, batch.ref_logprobs, "k3"), 0.0)
-    torch.testing.assert_close(batch.rewards, expected)
-    assert (kl >= 0).all() and float(kl.max()) > 0
-
-
-def test_reward_model_scores_at_last_token_with_same_or_different_tokenizer(tokenizer):
-    import copy
-    rm = pt.ScalarHeadModel(tiny_llama(len(tokenizer) + 1, seed=7, dtype=torch.float32).model,
-                            torch.nn.Linear(32, 1, bias=False)).eval()
-    texts, answers = ["1+2=", "37+45=", "9+90="], ["3", "82", ""]
-    batch = pt.answer_batch(tokenizer, pt.format_prompts(tokenizer, texts, False, 64), answers, "cpu")
-    batch.ended, batch.prompts, batch.completions = torch.ones(3, dtype=torch.bool), texts, answers
-    same = pt.reward_model_scores(rm, tokenizer, tokenizer, batch, False, 2)
-    other = copy.deepcopy(tokenizer)
-    other.add_special_tokens({"additional_special_tokens": ["<extra>"]})  # another vocabulary: decode + re-tokenize
-    retokenized = pt.reward_model_scores(rm, other, tokenizer, batch, False, 2)
-    # the re-tokenized text gets the EOS back, so both read the score at the EOS
-    n_real = batch.response_mask.sum(-1)
-    ids, mask, pos = pt.full_sequence(batch)
-    P = batch.prompt_ids.shape[1]
-    expected = torch.stack([rm(ids[i:i + 1], mask[i:i + 1], pos[i:i + 1])[0, P + n_real[i] - 1] for i in range(3)])
-    torch.testing.assert_close(retokenized, expected, rtol=1e-5, atol=1e-5)
-    last = batch.response_mask.sum(-1) + P - 1
-    torch.testing.assert_close(same, torch.stack([rm(ids[i:i + 1], mask[i:i + 1], pos[i:i + 1])[0, last[i]]
-                                                  for i in range(3)]), rtol=1e-5, atol=1e-5)
-    # a chat template: a truncated completion stays an open assistant turn (no end-of-turn), a finished one is closed
-    other.chat_template = ("{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}{% if m['role'] == 'assistant' "
-                           "%}<eos>{% endif %}{% endfor %}")
-    texts, render = [], other.apply_chat_template
-    other.apply_chat_template = lambda *a, **k: texts.append(render(*a, **k)) or texts[-1]
-    batch.ended = torch.tensor([True, False, True])
-    pt.reward_model_scores(rm, other, tokenizer, batch, True, 2)
-    assert texts == ["u:1+2=a:3<eos>", "u:37+45=a:82", "u:9+90=a:<eos>"]
-    other.chat_template = other.chat_template.replace("m['content']", "m['content'][1:]")  # rewrites the turn (as
-    texts.clear()  # templates that drop a <think> part): it cannot stay open, so it is closed, not a crash
-    pt.reward_model_scores(rm, other, tokenizer, batch, True, 2)
-    assert texts[-2:] == ["u:7+45=a:2<eos>", "u:+90=a:<eos>"]
-
-
-def test_config_errors_name_the_flags(capsys):
-    cases = [(["--batch-size", "10", "--minibatches", "4"], "--batch-size 10 must be divisible by --minibatches 4"),
-             (["--batch-size", "16", "--minibatches", "2", "--micro-batch-size", "3"], "--micro-batch-size 3"),
-             (["--temperature", "0"], "--temperature must be > 0"),
-             (["--max-staleness", "-1"], "--max-staleness must be >= 0"),
-             (["--is-mode", "clip"], "--is-mode must be truncate or mask"),
-             (["--kl-estimator", "k2"], "--kl-estimator must be k1 or k3")]
-    if not torch.cuda.is_available():
-        cases.append((["--device", "cuda"], "--device cuda: CUDA is not available here; use --device cpu"))
-    for argv, message in cases:
-        with pytest.raises(SystemExit) as e:
-            pt.parse_config(argv)
-        assert e.value.code == 2 and message in capsys.readouterr().err
-
-
-def test_help_lists_every_config_field():
-    out = subprocess.run([sys.executable, SCRIPT, "--help"], capture_output=True, text=True, check=True).stdout
-    for f in pt.dataclasses.fields(pt.Config):
-        assert "--" + f.name.replace("_", "-") in out
-    assert "PPO ratio clip epsilon" in out
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# the real entry point, on tiny budgets
-
-
-def run_script(args, cwd, timeout=300):
-    proc = subprocess.run([sys.executable, SCRIPT, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout
-
-
-def read_metrics(output_dir):
-    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
-
-
-def check_outputs(output_dir, steps, tokenizer_check=None):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    config = json.load(open(os.path.join(output_dir, "config.json")))
-    assert config["steps"] == steps and config["response_length"] > 0  # resolved values, as used
-    records = [r for r in read_metrics(output_dir) if r["step"] > 0]
-    assert [r["step"] for r in records] == list(range(1, steps + 1))
-    for key in ("reward_mean", "kl", "entropy", "clipfrac", "response_tokens", "iter_s", "time_s",
-                "gen_tokens_per_s", "train_tokens_per_s", "vf_loss", "explained_variance", "approx_kl"):
-        assert all(isinstance(r[key], (int, float)) and math.isfinite(r[key]) for r in records), key
-    assert all(r["first_ratio_max_dev"] == 0.0 for r in records)
-    policy = AutoModelForCausalLM.from_pretrained(os.path.join(output_dir, "policy"))
-    tok = AutoTokenizer.from_pretrained(os.path.join(output_dir, "policy"))
-    assert tok.pad_token_id != tok.eos_token_id
-    ids = tok(["1+2="], return_tensors="pt").input_ids
-    assert policy(input_ids=ids).logits.shape[-1] >= len(tok)
-    return records
-
-
-TINY = ["--batch-size", "16", "--minibatches", "2", "--micro-batch-size", "4", "--steps", "3", "--eval-size", "40",
-        "--eval-every", "2", "--demo-warmup-max-steps", "0", "--sample-every", "2", "--device", "cpu"]  # (bit-exact)
-
-
-def test_demo_entry_point_with_a_reward_model_directory(tmp_path, tokenizer):
-    """The demo policy with a learned reward model saved as an AutoModelForSequenceClassification directory."""
-    from transformers import LlamaConfig, LlamaForSequenceClassification
-    rm = LlamaForSequenceClassification(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1,
-                                                    num_attention_heads=2, intermediate_size=64, num_labels=1,
-                                                    pad_token_id=tokenizer.pad_token_id))
-    rm.save_pretrained(tmp_path / "rm")
-    tokenizer.save_pretrained(tmp_path / "rm")
-    out = run_script([*TINY, "--reward-model", str(tmp_path / "rm"), "--output-dir", str(tmp_path / "run"),
-                      "--demo-cache", str(tmp_path / "cache")], tmp_path)
-    assert "critic from the reward model" in out
-    records = check_outputs(tmp_path / "run", 3)
-    assert "eval_accuracy" in read_metrics(tmp_path / "run")[0] and "eval_accuracy" in records[-1]
-
-
-def test_model_directory_prompts_file_and_reward_function(tmp_path, tokenizer):
-    """--model DIR (with a chat template) + --prompts JSONL + --reward module:function, through the real CLI."""
-    import copy
-    tok = copy.deepcopy(tokenizer)
-    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}={% endif %}"
-    model = tiny_llama(len(tok) + 8, dtype=torch.float32)  # spare embedding rows, as many real vocabularies have
-    model.save_pretrained(tmp_path / "policy_in")
-    tok.save_pretrained(tmp_path / "policy_in")
-    with open(tmp_path / "prompts.jsonl", "w") as f:
-        for a in range(20):
-            f.write(json.dumps({"prompt": f"{a}+{a}"}) + "\n")
-    (tmp_path / "my_rewards.py").write_text(
-        "def score(prompts, completions):\n"
-        "    assert all('=' not in p for p in prompts)  # raw prompts, before the chat template\n"
-        "    return [float(len(c)) for c in completions]\n")
-    out = run_script([*TINY, "--model", str(tmp_path / "policy_in"), "--prompts", str(tmp_path / "prompts.jsonl"),
-                      "--reward", "my_rewards:score", "--response-length", "5", "--output-dir", str(tmp_path / "run")],
-                     tmp_path)
-    assert "zero-initialised head" in out
-    records = check_outputs(tmp_path / "run", 3)
-    assert "eval_accuracy" not in records[-1]
-    assert all(r["response_tokens"] <= 16 * 5 for r in records)
-    # the trainer scores the distribution the sampler drew from (ids of the tokenizer only, not the spare rows)
-    assert all(r["behav_prox_max_diff"] < 1e-5 for r in records)
-
-
-def test_a_tokenizer_without_pad_and_a_reward_model_of_the_same_vocabulary(tmp_path, tokenizer):
-    """As Llama 3 base: no pad token, so ensure_pad_token adds one past the reward model's (and so the critic's)
-    embedding; neither may ever read it, and the policy may never sample it."""
-    import copy
-    from transformers import LlamaConfig, LlamaForSequenceClassification
-    tok = copy.deepcopy(tokenizer)
-    tok.pad_token = None
-    tiny_llama(len(tok), dtype=torch.float32).save_pretrained(tmp_path / "policy_in")
-    rm = LlamaForSequenceClassification(LlamaConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=1,
-                                                    num_attention_heads=2, intermediate_size=64, num_labels=1))
-    for path, model in (("policy_in", None), ("rm", rm)):
-        if model is not None:
-            model.save_pretrained(tmp_path / path)
-        tok.save_pretrained(tmp_path / path)
-    with open(tmp_path / "prompts.jsonl", "w") as f:
-        f.writelines(json.dumps({"prompt": f"{a}+{a * 37}="}) + "\n" for a in range(20))  # ragged: left pads
-    run_script([*TINY, "--model", str(tmp_path / "policy_in"), "--prompts", str(tmp_path / "prompts.jsonl"),
-                "--reward-model", str(tmp_path / "rm"), "--response-length", "5", "--output-dir", str(tmp_path / "run")],
-               tmp_path)
-    records = check_outputs(tmp_path / "run", 3)
-    assert all(math.isfinite(r["reward_mean"]) for r in records)
-
-
-def test_bad_reward_function_output_is_a_clear_error(tmp_path):
-    (tmp_path / "bad_rewards.py").write_text("def short(prompts, completions):\n    return [1.0]\n")
-    proc = subprocess.run([sys.executable, SCRIPT, *TINY, "--reward", "bad_rewards:short", "--output-dir",
-                           str(tmp_path / "run"), "--demo-cache", str(tmp_path / "cache")], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0 and "returned 1 scores for 16 completions" in proc.stderr
-
-
-def test_demo_learns_a_little_in_a_few_iterations(tmp_path):
-    """A shortened default demo (the full one is in the README): after the real warm-up, the reward mean rises."""
-    out = run_script(["--steps", "24", "--eval-every", "12", "--eval-size", "500", "--sample-every", "0", "--device", "cpu",
-                      "--output-dir", str(tmp_path / "run"), "--demo-cache", str(tmp_path / "cache")], tmp_path, 600)
-    records = [r for r in read_metrics(tmp_path / "run") if r["step"] > 0]
-    first, last = records[:6], records[-6:]
-    mean = lambda rs: sum(r["reward_mean"] for r in rs) / len(rs)
-    assert mean(last) > mean(first) + 0.03, (mean(first), mean(last), out[-2000:])
-    assert "warm-up:" in out and "held-out sampled accuracy" in out
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# the overlapped loop: sampler thread, versions, weight sync, off-policy correction, shutdown
-
-
-def test_packed_weight_sync_makes_sampler_and_trainer_weights_identical():
-    policy, sampler = tiny_llama(16, seed=1, dtype=torch.float32), tiny_llama(16, seed=2, dtype=torch.float32)
-    sync = pt.WeightSync(policy, sampler)
-    lo, n = sync.sampler_flat.data_ptr(), sync.sampler_flat.numel() * sync.sampler_flat.element_size()
-    assert all(lo <= p.data_ptr() and p.data_ptr() + p.numel() * p.element_size() <= lo + n
-               for p in sampler.parameters())  # views of one buffer
-    with torch.no_grad():
-        for p in policy.parameters():
-            p.add_(torch.randn_like(p))  # the trainer moves on
-    assert sync.pull() == 0 and not torch.equal(sampler.lm_head.weight, policy.lm_head.weight)  # nothing published
-    sync.publish(1)
-    with torch.no_grad():
-        for p in policy.parameters():
-            p.mul_(2)  # after publishing: the sampler must get version 1, not this
-    assert sync.pull() == 1
-    for (name, p), q in zip(policy.named_parameters(), sampler.parameters()):
-        assert torch.equal(p / 2, q), name
-
-
-def test_importance_weights_are_exactly_one_for_fresh_tokens_and_version_rejection_counts(tokenizer):
-    cfg, policy, reference, critic, batch = tiny_setup(tokenizer, max_token_age=1)
-    batch.policy_version = torch.tensor([[5], [4], [3], [5], [4], [3], [5], [5]]).expand_as(batch.response).clone()
-    batch.behav_logprobs = batch.behav_logprobs + 0.3 * torch.randn_like(batch.behav_logprobs)  # stale behaviour
-    pt.score_frozen(batch, reference, constant_reward(1.0), cfg)
-    pt.score_trainer(batch, policy, critic, cfg, version=5)
-    mask, age = batch.response_mask.bool(), 5 - batch.policy_version
-    assert (batch.is_weight[mask & (age == 0)] == 1.0).all()  # exactly 1, though behav != prox numerically
-    expected = torch.exp(batch.old_logprobs - batch.behav_logprobs).clamp(max=cfg.is_cap)
-    torch.testing.assert_close(batch.is_weight[mask & (age > 0)], expected[mask & (age > 0)])
-    assert torch.equal(batch.loss_mask.bool(), mask & (age <= 1))  # age 2 dropped
-    assert batch.correction["tokens_dropped"] == int((mask & (age == 2)).sum()) > 0
-    assert batch.correction["staleness_max"] == 2
-    cfg.is_mode, cfg.is_cap = "mask", 1.0
-    pt.score_trainer(batch, policy, critic, cfg, version=5)
-    capped = mask & (torch.exp(batch.old_logprobs - batch.behav_logprobs) > 1.0) & (age > 0)
-    assert capped.any() and (batch.is_weight[capped] == 0).all()
-
-
-def test_decoupled_loss_with_fresh_tokens_is_standard_ppo_to_the_bit():
-    logp, old, adv = (torch.randn(3, 5) for _ in range(3))
-    mask = torch.ones(3, 5)
-    standard, _ = pt.policy_loss(logp, old, adv, mask, 0.2)
-    decoupled, _ = pt.policy_loss(logp, old, adv, mask, 0.2, is_weight=torch.ones(3, 5))
-    assert torch.equal(standard, decoupled)
-    half, _ = pt.policy_loss(logp, old, adv, mask, 0.2, is_weight=torch.full((3, 5), 0.5))
-    torch.testing.assert_close(half, standard / 2)
-
-
-def test_inflight_updates_tag_each_token_with_its_version(tokenizer):
-    policy, sampler = tiny_llama(len(tokenizer), seed=1), tiny_llama(len(tokenizer), seed=1)
-    sync = pt.WeightSync(policy, sampler)
-    steps = []
-
-    def between_steps():  # the trainer publishes version 1 after the sampler's second token
-        steps.append(len(steps))
-        if len(steps) == 2:
-            with torch.no_grad():
-                for p in policy.parameters():
-                    p.add_(0.5 * torch.randn_like(p))
-            sync.publish(1)
-        return sync.pull()
-
-    ids, mask = pt.left_pad(pt.format_prompts(tokenizer, ["1+2=", "37+45="], False, 64), tokenizer.pad_token_id, "cpu")
-    eos = 999  # never sampled: every row runs all 5 steps
-    batch = pt.generate(sampler, ids, mask, max_new_tokens=5, temperature=1.0, stop_ids=eos, pad_id=tokenizer.pad_token_id,
-                        generator=torch.Generator().manual_seed(0), between_steps=between_steps)
-    assert batch.policy_version.tolist() == [[0, 0, 1, 1, 1]] * 2  # a mixed-version sequence
-    assert all(torch.equal(p, q) for p, q in zip(policy.parameters(), sampler.parameters()))
-    # the first two tokens' behaviour log-probs come from version 0: rescoring with version 0 reproduces them
-    old = tiny_llama(len(tokenizer), seed=1)
-    rescored, _ = pt.sequence_logprobs(old, *pt.full_sequence(batch), batch.response, batch.response_mask, 1.0)
-    torch.testing.assert_close(rescored[:, :2], batch.behav_logprobs[:, :2], rtol=0, atol=1e-9)
-    assert (rescored[:, 2:] - batch.behav_logprobs[:, 2:]).abs().max() > 1e-3
-    # the version-1 tokens read version 0's KV cache: not fresh at trainer version 1, so they keep their IS weight
-    cfg = pt.Config(batch_size=2, minibatches=1, response_length=5, is_cap=1e9)
-    batch.scores, batch.ref_logprobs = torch.zeros(2), batch.behav_logprobs.clone()
-    pt.score_trainer(batch, policy, pt.build_critic(policy), cfg, version=1)
-    torch.testing.assert_close(batch.is_weight, torch.exp(batch.old_logprobs - batch.behav_logprobs))
-    assert (batch.is_weight[:, 2:] != 1).all()
-
-
-def write_reward_module(path):
-    (path / "count_ones.py").write_text("def score(prompts, completions):\n"
-                                        "    return [c.count('1') / 4 for c in completions]\n")
-
-
-LOOP = ["--batch-size", "16", "--minibatches", "2", "--micro-batch-size", "8", "--steps", "4", "--response-length", "6",
-        "--demo-warmup-max-steps", "0", "--sample-every", "0", "--reward", "count_ones:score", "--lr", "3e-3",
-        "--device", "cpu"]  # the CPU: bit-exact assertions; their CUDA twins add --device cuda
-
-
-def test_staleness_zero_with_the_thread_equals_the_synchronous_loop(tmp_path, monkeypatch):
-    write_reward_module(tmp_path)
-    monkeypatch.chdir(tmp_path)
-    results = []
-    for threaded in (False, True):
-        cfg = pt.parse_config([*LOOP, "--output-dir", str(tmp_path / f"run{threaded}")])
-        run = pt.setup(cfg)
-        os.makedirs(cfg.output_dir)
-        history = pt.train(cfg, run, cfg.output_dir, threaded=threaded)
-        results.append((history, {k: v.clone() for k, v in run.policy.state_dict().items()}))
-    (plain, plain_weights), (thread, thread_weights) = results
-    for a, b in zip(plain, thread):
-        for key in ("pg_loss", "vf_loss", "reward_mean", "kl", "approx_kl", "clipfrac", "entropy"):
-            assert a[key] == b[key], (key, a[key], b[key])
-    assert all(torch.equal(plain_weights[k], thread_weights[k]) for k in plain_weights)
-    assert all(r["behav_prox_max_diff"] < 1e-5 for r in plain + thread)  # the sampler really had the new weights
-    assert plain[-1]["approx_kl"] > 0 and plain[0]["reward_mean"] != plain[-1]["reward_mean"]  # it did train
-
-
-def test_bench_rollout_runs_and_ends_with_the_ratio_line(tmp_path):  # the entry point; speeds are not asserted
-    out = run_script(["--bench-rollout", "--batch-size", "8", "--response-length", "3", "--minibatches", "2",
-                      "--demo-hidden", "32", "--demo-layers", "1", "--device", "cpu"], tmp_path)
-    assert all(row in out for row in ("HF generate", "plain loop", "StaticDecoder", "padded", "packed"))
-    assert re.fullmatch(r"sampler vs generate: \d+\.\d\dx", out.strip().splitlines()[-1])
-
-
-def test_staleness_one_keeps_every_token_within_bounds(tmp_path):
-    write_reward_module(tmp_path)
-    out = run_script([*LOOP, "--steps", "6", "--max-staleness", "1", "--inflight-updates", "--trace",
-                      str(tmp_path / "trace.json"), "--output-dir", str(tmp_path / "run")], tmp_path)
-    records = [r for r in read_metrics(tmp_path / "run") if r["step"] > 0]
-    assert all(r["staleness_max"] <= 1 for r in records) and max(r["staleness_max"] for r in records) == 1
-    assert records[0]["staleness_max"] == 0 and records[0]["is_weight_mean"] == 1.0
-    assert all(r["first_ratio_max_dev"] == 0.0 and r["weight_sync_ms"] >= 0 for r in records)
-    trace = json.load(open(tmp_path / "trace.json"))["traceEvents"]
-    assert {"generate", "update"} <= {e["name"] for e in trace} and {1, 2} <= {e["tid"] for e in trace}
-    assert "it    6/6" in out
-    run_script([*LOOP, "--steps", "6", "--max-staleness", "2", "--output-dir", str(tmp_path / "run2")], tmp_path)
-    records = [r for r in read_metrics(tmp_path / "run2") if r["step"] > 0]
-    assert all(r["staleness_max"] <= 2 for r in records) and max(r["staleness_max"] for r in records) == 2
-
-
-def test_sampler_errors_and_sigterm_stop_the_run_without_a_hung_thread(tmp_path, monkeypatch):
-    import signal
-    import threading
-    (tmp_path / "flaky.py").write_text("calls = 0\ndef score(prompts, completions):\n    global calls\n    calls += 1\n"
-                                       "    if calls == 3:\n        raise ValueError('reward service down')\n"
-                                       "    return [0.0] * len(completions)\n")
-    monkeypatch.chdir(tmp_path)
-    args = [a if a != "count_ones:score" else "flaky:score" for a in LOOP]
-    cfg = pt.parse_config([*args, "--max-staleness", "2", "--steps", "8", "--output-dir", str(tmp_path / "run")])
-    os.makedirs(cfg.output_dir)
-    with pytest.raises(SystemExit, match="reward service down"):
-        pt.train(cfg, pt.setup(cfg), cfg.output_dir)
-    assert not any(t.name == "ppo_tokens-sampler" for t in threading.enumerate())
-    write_reward_module(tmp_path)
-    proc = subprocess.Popen([sys.executable, SCRIPT, *LOOP, "--steps", "100000", "--max-staleness", "1",
-                             "--output-dir", str(tmp_path / "run2")], cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    seen = False
-    for line in proc.stdout:
-        if line.startswith("it    2/"):
-            seen = True
-            break
-    assert seen, "the run did not reach iteration 2"
-    proc.send_signal(signal.SIGTERM)
-    t0 = time.time()
-    out, _ = proc.communicate(timeout=60)
-    assert time.time() - t0 < 20 and proc.returncode == 0, out[-2000:]  # stopped, promptly, with a checkpoint
-    (checkpoint,) = pt.checkpoints(tmp_path / "run2")
-    assert f"stopped by SIGTERM after iteration" in out and f"--resume {checkpoint}" in out
-    state = load_into_fresh_models(checkpoint)
-    assert state["step"] >= 2 and not any(t.name == "ppo_tokens-sampler" for t in threading.enumerate())
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# checkpoints, resume, the non-finite guard, bad input
-
-
-def load_into_fresh_models(checkpoint):  # what --resume does, into models built from the checkpoint's config
-    cfg = pt.Config(**json.load(open(os.path.join(checkpoint, "config.json"))))
-    tokenizer = pt.build_demo_tokenizer()
-    policy = pt.build_demo_policy(tokenizer, 0, cfg.demo_hidden, cfg.demo_layers)
-    critic, actor = pt.build_critic(policy), pt.Actor(policy, cfg.temperature)
-    policy_opt, critic_opt, schedules = pt.make_optimizers(cfg, actor, critic)
-    state = pt.load_checkpoint(checkpoint, actor, critic, (policy_opt, critic_opt), schedules)
-    assert all(torch.isfinite(p).all() for p in [*policy.parameters(), *critic.parameters()])
-    assert schedules[0].last_epoch == state["step"] and len(policy_opt.state) > 0
-    return state
-
-
-def write_killer_module(path):  # a reward that kills its own process (kill -9) at call $KILL_AT, else count_ones
-    (path / "killer.py").write_text("import os, signal\ncalls = 0\ndef score(prompts, completions):\n"
-                                    "    global calls\n    calls += 1\n"
-                                    "    if calls == int(os.environ.get('KILL_AT', '0')):\n"
-                                    "        os.kill(os.getpid(), signal.SIGKILL)\n"
-                                    "    return [c.count('1') / 4 for c in completions]\n")
-
-
-def run_raw(args, cwd, **env):
-    return subprocess.run([sys.executable, SCRIPT, *args], cwd=cwd, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1", **env})
-
-
-def test_resume_after_kill_ends_with_the_same_weights_as_an_uninterrupted_run(tmp_path):
-    from safetensors.torch import load_file
-    write_killer_module(tmp_path)
-    args = [a if a != "count_ones:score" else "killer:score" for a in LOOP] + ["--save-every", "1"]
-    run_script([*args, "--output-dir", str(tmp_path / "full")], tmp_path)
-    killed = run_raw([*args, "--output-dir", str(tmp_path / "part")], tmp_path, KILL_AT="3")  # in iteration 3
-    assert killed.returncode == -9 and [os.path.basename(c) for c in pt.checkpoints(tmp_path / "part")] == \
-        ["step-00000001", "step-00000002"]
-    out = run_script(["--resume", f"{tmp_path / 'part'}/"], tmp_path)  # the flags come from the checkpoint
-    assert "resumed from" in out and "step-00000002 after iteration 2/4" in out
-    full, part = load_file(tmp_path / "full/policy/model.safetensors"), load_file(tmp_path / "part/policy/model.safetensors")
-    assert full.keys() == part.keys() and all(torch.equal(full[k], part[k]) for k in full)
-    a, b = read_metrics(tmp_path / "full"), read_metrics(tmp_path / "part")
-    assert [r["step"] for r in b] == [0, 1, 2, 3, 4]  # each iteration logged once
-    for key in ("pg_loss", "vf_loss", "reward_mean", "lr", "kl"):
-        assert [r.get(key) for r in a] == [r.get(key) for r in b], key
-    assert [os.path.basename(c) for c in pt.checkpoints(tmp_path / "part")] == ["step-00000003", "step-00000004"]
-    refused = run_raw([*args, "--output-dir", str(tmp_path / "part")], tmp_path)  # a finished run, without --resume
-    assert refused.returncode == 1 and "already holds a run" in refused.stderr and "--resume" in refused.stderr
-
-
-def test_a_kill_while_writing_a_checkpoint_leaves_the_previous_one_whole(tmp_path):
-    write_reward_module(tmp_path)
-    args = [*LOOP, "--save-every", "1", "--output-dir", str(tmp_path / "run")]
-    killed = run_raw(args, tmp_path, PPO_TOKENS_TEST_KILL_AT_CHECKPOINT="2")
-    assert killed.returncode == -9
-    assert [os.path.basename(c) for c in pt.checkpoints(tmp_path / "run")] == ["step-00000001"]
-    assert os.path.isdir(tmp_path / "run/checkpoints/.tmp-step-00000002")  # the half-written one, never used
-    assert load_into_fresh_models(pt.checkpoints(tmp_path / "run")[0])["step"] == 1
-    out = run_script([*args, "--resume"], tmp_path)
-    assert "step-00000001 after iteration 1/4" in out and "dropped 1 metrics records" in out
-    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [0, 1, 2, 3, 4]
-    older = pt.checkpoints(tmp_path / "run")[0]  # step 3: resuming from it sets the newer step 4 aside, never deletes it
-    out = run_script(["--resume", str(older)], tmp_path)
-    assert "set aside" in out and any(p.name.startswith(".abandoned-step-00000004-") for p in (tmp_path / "run/checkpoints").iterdir())
-    assert [os.path.basename(c) for c in pt.checkpoints(tmp_path / "run")] == ["step-00000003", "step-00000004"]
-
-
-def test_sigterm_after_a_save_every_checkpoint_does_not_rewrite_it_and_renames_reach_the_disk(tmp_path, monkeypatch,
-                                                                                              capsys):
-    (tmp_path / "term.py").write_text("import os, signal\ncalls = 0\ndef score(prompts, completions):\n"
-                                      "    global calls\n    calls += 1\n    if calls == 2:\n"
-                                      "        os.kill(os.getpid(), signal.SIGTERM)\n    return [0.0] * len(completions)\n")
-    monkeypatch.chdir(tmp_path)
-    synced = []
-    fsync_directory = pt.fsync_directory
-    monkeypatch.setattr(pt, "fsync_directory", lambda path: (synced.append((path, sorted(os.listdir(path)))),
-                                                             fsync_directory(path)))
-    args = [a if a != "count_ones:score" else "term:score" for a in LOOP]
-    cfg = pt.parse_config([*args, "--save-every", "1", "--output-dir", str(tmp_path / "run")])
-    os.makedirs(cfg.output_dir)
-    history = pt.train(cfg, pt.setup(cfg), cfg.output_dir)
-    out = capsys.readouterr().out
-    assert len(history) == 2 and "stopped by SIGTERM after iteration 2/4" in out
-    assert [l.split("/")[-1] for l in out.splitlines() if l.startswith("checkpoint: ")] == ["step-00000001",
-                                                                                           "step-00000002"]  # once each
-    root = str(tmp_path / "run" / "checkpoints")
-    assert (root, ["step-00000001"]) in synced and (root, ["step-00000001", "step-00000002"]) in synced
-
-
-def test_non_finite_rewards_skip_updates_then_stop_with_the_last_good_checkpoint_intact(tmp_path):
-    (tmp_path / "nan_later.py").write_text("calls = 0\ndef score(prompts, completions):\n    global calls\n"
-                                           "    calls += 1\n    return [float('nan') if calls > 2 else 0.5] * len(completions)\n")
-    args = [a if a != "count_ones:score" else "nan_later:score" for a in LOOP]
-    proc = run_raw([*args, "--steps", "6", "--save-every", "1", "--max-bad-steps", "2", "--output-dir",
-                    str(tmp_path / "run")], tmp_path)
-    assert proc.returncode == 1 and "stopping: 2 consecutive updates skipped for non-finite values" in proc.stderr
-    assert "the last good checkpoint is" in proc.stderr and "step-00000002" in proc.stderr.splitlines()[-1]
-    assert "update skipped: non-finite scores in rows [0, 1, 2, 3, 4, 5, 6, 7] ... of 16" in proc.stdout
-    records = read_metrics(tmp_path / "run")
-    assert [r["step"] for r in records if "skipped_update" in r] == [3, 4]
-    assert [os.path.basename(c) for c in pt.checkpoints(tmp_path / "run")] == ["step-00000001", "step-00000002"]
-    load_into_fresh_models(pt.checkpoints(tmp_path / "run")[-1])
-
-
-def test_non_finite_loss_skips_the_update_and_leaves_the_weights_alone(tokenizer):
-    cfg, policy, reference, critic, batch = tiny_setup(tokenizer)
-    orders = [torch.randperm(8) for _ in range(cfg.ppo_epochs)]
-    score(batch, policy, reference, critic, constant_reward(1.0), cfg, orders[0])
-    batch.advantages[:, 0] = float("inf")  # every minibatch's loss is non-finite
-    before = [p.detach().clone() for p in policy.parameters()]
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (policy, critic)]
-    stats = pt.ppo_update(policy, critic, *opts, batch, cfg, orders)
-    assert stats["nonfinite"].startswith("policy loss") and "epoch 1 minibatch 1 (after 0 finite steps)" in stats["nonfinite"]
-    assert all(torch.equal(p, b) for p, b in zip(policy.parameters(), before)) and all(p.grad is None for p in policy.parameters())
-    assert pt.nonfinite(batch) == "advantages in rows [0, 1, 2, 3, 4, 5, 6, 7] of 8"
-    batch.behav_logprobs[3, 1] = float("nan")  # a sampler whose logits went NaN (its draws are not checked)
-    assert pt.nonfinite(batch) == "behav_logprobs in rows [3] of 8"
-
-
-def exit_of(argv, capsys):  # (exit status, message) of the real entry point, in-process
-    with pytest.raises(SystemExit) as e:
-        pt.main(argv)
-    err = capsys.readouterr().err
-    return (e.value.code, err) if isinstance(e.value.code, int) else (1, str(e.value.code))  # as the interpreter
-
-
-def test_bad_input_is_refused_with_one_clear_line(tmp_path, capsys, monkeypatch, tokenizer):
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "bad_rewards_2.py").write_text("def boom(p, c):\n    raise ValueError('no scorer')\n"
-                                               "def words(p, c):\n    return ['high'] * len(c)\n")
-    write_reward_module(tmp_path)
-    (tmp_path / "empty.jsonl").write_text("\n\n")
-    (tmp_path / "broken.jsonl").write_text('{"prompt": "1+1"}\n{"prompt": "2+2"}\n{"text": "3+3"}\n')
-    (tmp_path / "binary.jsonl").write_bytes(b"\xff\xfe\x00garbage")
-    (tmp_path / "long.jsonl").write_text(json.dumps({"prompt": "1" * 70}) + "\n")
-    no_eos = pt.build_demo_tokenizer()
-    no_eos.eos_token = None
-    tiny_llama(len(tokenizer), dtype=torch.float32).save_pretrained(tmp_path / "no_eos")
-    no_eos.save_pretrained(tmp_path / "no_eos")
-    from transformers import MambaConfig, MambaForCausalLM  # a recurrent state the batched sampler cannot drive
-    MambaForCausalLM(MambaConfig(vocab_size=len(tokenizer), hidden_size=16, num_hidden_layers=1, state_size=4,
-                                 expand=1)).save_pretrained(tmp_path / "mamba")
-    tokenizer.save_pretrained(tmp_path / "mamba")
-    os.makedirs(tmp_path / "old_run/checkpoints/step-00000003")
-    base = [*LOOP, "--steps", "1"]
-    with_prompts = lambda f: [*base, "--prompts", str(tmp_path / f)]
-    (tmp_path / "good.jsonl").write_text(json.dumps({"prompt": "1+1"}) + "\n")
-    capsys.readouterr()
-    cases = [([*with_prompts("good.jsonl"), "--model", str(tmp_path / "nowhere")], 1, f"--model {tmp_path / 'nowhere'}: cannot load"),
-             ([*base, "--reward", "", "--reward-model", "nowhere"], 2, "--reward-model nowhere: no such directory"),
-             ([*base, "--prompts", "nowhere.jsonl"], 2, "--prompts nowhere.jsonl: no such file"),
-             (with_prompts("binary.jsonl"), 1, "cannot read it as UTF-8 text"),
-             (with_prompts("empty.jsonl"), 1, "the file holds no prompts"),
-             (with_prompts("broken.jsonl"), 1, "line 3 is not a JSON object with a 'prompt' field"),
-             ([*with_prompts("long.jsonl"), "--max-prompt-length", "30", "--long-prompts", "refuse"], 1,
-              "1 of 1 prompts are longer than --max-prompt-length 30 tokens (the first is prompt 1)"),
-             ([*with_prompts("long.jsonl"), "--max-prompt-length", "100"], 1,
-              "the longest prompt (71 tokens) plus --response-length 6 exceeds the model's context of 64 tokens"),
-             ([*base, "--reward", "bad_rewards_2:boom"], 1, "the reward function raised ValueError: no scorer"),
-             ([*base, "--reward", "bad_rewards_2:words"], 1, "the reward function must return a list of numbers"),
-             ([*base, "--reward", "bad_rewards_2:missing"], 1, "--reward 'bad_rewards_2:missing': cannot load it"),
-             ([*with_prompts("good.jsonl"), "--model", str(tmp_path / "no_eos")], 1, "has no EOS token"),
-             ([*with_prompts("good.jsonl"), "--model", str(tmp_path / "mamba")], 1, "mamba is not supported"),
-             ([*base, "--batch-size", "15"], 2, "--batch-size 15 must be divisible by --minibatches 2"),
-             ([*base, "--temperature", "-1"], 2, "--temperature must be > 0"),
-             ([*base, "--output-dir", str(tmp_path / "old_run")], 1, "already holds a run (metrics.jsonl, checkpoints); "
-              "continue it with --resume"),
-             ([*base, "--resume", "--output-dir", ""], 2, "--resume needs --output-dir DIR"),
-             ([*base, "--resume", str(tmp_path / "nowhere")], 2, "--resume: no whole checkpoint in")]
-    if not torch.cuda.is_available():
-        cases.append(([*base, "--device", "cuda"], 2, "--device cuda: CUDA is not available here; use --device cpu"))
-    for i, (argv, status, message) in enumerate(cases):
-        if "--output-dir" not in argv:
-            argv = [*argv, "--output-dir", str(tmp_path / f"run{i}")]
-        code, err = exit_of(argv, capsys)
-        assert (code, message in err) == (status, True), (argv, code, err)
-        assert len(err.strip().splitlines()) == 1 or status == 2, err  # one line (argparse adds a usage line)
-    with open(tmp_path / "old_run/checkpoints/step-00000003/config.json", "w") as f:
-        json.dump(pt.dataclasses.asdict(pt.parse_config(base)), f)
-    code, err = exit_of(["--resume", str(tmp_path / "old_run"), "--lr", "0.1"], capsys)
-    assert code == 2 and "--lr 0.1 differs from the checkpoint's 0.003; drop the flag or start a new run" in err
-    ids = pt.format_prompts(tokenizer, ["1" * 70, "12"], False, 30)
-    assert [len(x) for x in ids] == [30, 3] and "1 of 2 prompts are longer than --max-prompt-length 30" in capsys.readouterr().out
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# torchrun: data-parallel PPO over processes (gloo on CPU)
-
-
-def torchrun(args, cwd, nproc=2, timeout=300, check=True):
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                           *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
-    assert not check or proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
-
-
-def digests(out):  # the per-rank checksums of the actor weights the run prints at its end
-    (line,) = [l for l in out.splitlines() if l.startswith("actor weights (sha256")]
-    return line.split(": ")[1].split()
-
-
-def first_iteration(world: int, rank: int):
-    """One scoring pass and one PPO update (SGD, 1 minibatch of 2-row micro-batches) on this rank's share of a fixed
-    batch of 8 rollouts, with DDP under torchrun. Returns (all-rank advantages, reduced stats, actor weights)."""
-    tokenizer, cfg = pt.build_demo_tokenizer(), pt.Config(batch_size=8, minibatches=1, ppo_epochs=1, response_length=4,
-                                                          micro_batch_size=2, whiten_scores=True)
-    policy = tiny_llama(len(tokenizer), seed=4, dtype=torch.float32)
-    reference = tiny_llama(len(tokenizer), seed=5, dtype=torch.float32).requires_grad_(False)
-    texts = [f"{a}+{b}=" for a, b in [(1, 2), (37, 45), (9, 90), (5, 5), (12, 3), (0, 0), (99, 99), (50, 7)]]
-    batch = demo_rollout(tokenizer, policy, texts).rows(torch.arange(rank * 8 // world, (rank + 1) * 8 // world))
-    actor, critic = (pt.wrap_for_training(m, cfg) for m in (pt.Actor(policy, 1.0), pt.build_critic(policy)))
-    pt.score_frozen(batch, reference, lambda b: (b.response % 3 == 0).float().sum(-1), cfg)
-    pt.score_trainer(batch, actor, critic, cfg, torch.arange(8 // world))
-    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (actor, critic)]
-    stats = pt.reduce_record(pt.ppo_update(actor, critic, *opts, batch, cfg, [torch.arange(8 // world)]), world)
-    advantages = [torch.zeros_like(batch.advantages) for _ in range(world)]
-    if world > 1:
-        torch.distributed.all_gather(advantages, batch.advantages)
-    return torch.cat(advantages if world > 1 else [batch.advantages]), stats, [p.detach() for p in policy.parameters()]
-
-
-def test_whitening_and_the_first_update_do_not_depend_on_the_world_size(tmp_path):
-    torchrun([os.path.abspath(__file__), str(tmp_path / "world2.pt")], tmp_path)
-    advantages, stats, weights = first_iteration(1, 0)
-    two = torch.load(tmp_path / "world2.pt")
-    torch.testing.assert_close(two["advantages"], advantages, rtol=1e-5, atol=1e-6)  # whitened over both ranks
-    assert abs(float(two["advantages"][:4][two["advantages"][:4] != 0].mean())) > 1e-3  # not whitened per rank
-    for key in ("pg_loss", "vf_loss", "entropy", "clipfrac", "approx_kl", "grad_norm", "critic_grad_norm"):
-        assert math.isclose(two["stats"][key], stats[key], rel_tol=1e-4, abs_tol=1e-6), (key, two["stats"][key], stats[key])
-    for a, b in zip(two["weights"], weights):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
-
-
-def test_torchrun_two_ranks_ddp_and_fsdp2_train_resume_and_stay_identical(tmp_path):
-    from transformers import AutoModelForCausalLM
-    write_reward_module(tmp_path)
-    args = [SCRIPT, *LOOP, "--steps", "3", "--save-every", "2", "--micro-batch-size", "0", "--micro-batch-tokens", "40",
-            "--gradient-checkpointing"]  # packed micro-batches and checkpointed layers, under DDP and FSDP2 alike
-    out = torchrun([*args, "--output-dir", str(tmp_path / "ddp")], tmp_path).stdout
-    first, second = digests(out)
-    assert first == second and out.count("it    3/3") == 1  # DDP keeps the replicas identical; one rank prints
-    assert [r["step"] for r in read_metrics(tmp_path / "ddp")] == [0, 1, 2, 3]
-    assert sorted(p.name for p in tmp_path.rglob("metrics.jsonl")) == ["metrics.jsonl"]  # written once, by rank 0
-    check_outputs(tmp_path / "ddp", 3)
-    fsdp = digests(torchrun([*args, "--fsdp", "--output-dir", str(tmp_path / "fsdp")], tmp_path).stdout)
-    # FSDP2 holds one copy of each weight (its digest is of a gather, equal on every rank by construction): its
-    # update must be DDP's, up to the order of the gradient reductions
-    ddp_policy, fsdp_policy = (AutoModelForCausalLM.from_pretrained(tmp_path / d / "policy") for d in ("ddp", "fsdp"))
-    for (name, a), b in zip(ddp_policy.state_dict().items(), fsdp_policy.state_dict().values()):
-        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, msg=name)
-    assert any(not torch.equal(a, b) for a, b in zip(ddp_policy.state_dict().values(),
-                                                     AutoModelForCausalLM.from_pretrained(
-                                                         tmp_path / "ddp/checkpoints/step-00000002/policy").state_dict().values()))
-    resumed = torchrun([SCRIPT, "--resume", str(pt.checkpoints(tmp_path / "fsdp")[0])], tmp_path).stdout
-    assert "step-00000002 after iteration 2/3" in resumed and digests(resumed) == fsdp  # the same final weights
-    (tmp_path / "rank_one_fails.py").write_text("import os\ndef score(prompts, completions):\n"
-                                               "    if os.environ['RANK'] == '1':\n"
-                                               "        raise RuntimeError('reward server unreachable from rank 1')\n"
-                                               "    return [0.0] * len(completions)\n")
-    failed = torchrun([*[a if a != "count_ones:score" else "rank_one_fails:score" for a in args], "--output-dir",
-                       str(tmp_path / "fails")], tmp_path, timeout=120, check=False)
-    assert failed.returncode != 0 and "reward server unreachable from rank 1" in failed.stdout + failed.stderr
-
-
-def test_batch_sizes_are_checked_against_the_world_size(monkeypatch, capsys):
-    monkeypatch.setenv("WORLD_SIZE", "4")
-    with pytest.raises(SystemExit):
-        pt.parse_config(["--batch-size", "24", "--minibatches", "4"])
-    assert "--batch-size 24 must be divisible by --minibatches 4 x 4 ranks (torchrun's WORLD_SIZE)" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        pt.parse_config(["--batch-size", "32", "--minibatches", "2", "--micro-batch-size", "3"])
-    assert "the minibatch size per rank (--batch-size 32 / --minibatches 2 x 4 ranks" in capsys.readouterr().err
-    with pytest.raises(SystemExit):  # one device per rank, cuda:LOCAL_RANK (checked before CUDA's presence)
-        pt.parse_config(["--batch-size", "32", "--device", "cuda:1"])
-    assert "--device cuda:1: under torchrun each rank uses cuda:LOCAL_RANK" in capsys.readouterr().err
-
-
-@pytest.mark.parametrize("family,dtype,top_k,compiled", [("llama", torch.float64, 0, False), ("llama", torch.float32, 5, False),
-                                                         ("gpt2", torch.float64, 0, False), ("sliding", torch.float64, 0, False),
-                                                         ("llama", torch.float32, 0, True)])
-def test_fast_sampler_gives_the_plain_loops_tokens_and_logprobs(tokenizer, family, dtype, top_k, compiled, capsys,
-                                                               monkeypatch):
-    if family == "sliding":  # a window shorter than the cache: refused, the plain loop samples (its own masks)
-        monkeypatch.delenv("PPO_TOKENS_STRICT")  # (which is an error under the strict switch)
-        from transformers import MistralConfig, MistralForCausalLM
-        torch.manual_seed(2)
-        policy = MistralForCausalLM(MistralConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2,
-                                                  num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
-                                                  sliding_window=8)).eval()  # (wider than the check's 5 columns)
-    else:
-        policy = (tiny_gpt2 if family == "gpt2" else tiny_llama)(len(tokenizer), seed=2)
-    policy = policy.to(dtype)
-    texts = ["1+2=", "37+45=", "9+90=", "5+5=", "123+4=", "0+0="]  # ragged prompts: left padding in every batch
-    ids, mask = pt.left_pad(pt.format_prompts(tokenizer, texts, False, 64), tokenizer.pad_token_id, "cpu")
-    # compiled: for the sampler thread's one intra-op thread, as train() compiles it for a threaded CPU run
-    decoder = pt.fast_decoder(policy, len(texts), ids.shape[1] + 12, compiled=compiled, threads=1 if compiled else 0)
-    out = capsys.readouterr().out
-    assert type(decoder) is (pt.PlainDecoder if family == "sliding" else pt.StaticDecoder)
-    assert ("fast sampler off for MistralForCausalLM (sliding-window layers" in out) == (family == "sliding")
-    assert "torch.compile off" not in out
-    assert (family != "sliding" and decoder.decode is not policy and decoder.prefill is not policy) == compiled
-    sample = lambda sampler: pt.generate(sampler, ids, mask, max_new_tokens=10, temperature=0.9, stop_ids=tokenizer.eos_token_id,
-                                         pad_id=tokenizer.pad_token_id, generator=torch.Generator().manual_seed(7), top_k=top_k)
-    batches = [sample(policy)]
-    if compiled:  # in a thread with one intra-op thread, like the Producer's: the compiled code runs, not a recompile
-        from torch._dynamo.utils import counters
-        graphs = counters["stats"]["unique_graphs"]
-        # then capture()'s warm-up prompt (on CUDA): 2 tokens, not a length-1 prefill the compile specialises on
-        thread = threading.Thread(target=lambda: (torch.set_num_threads(1), batches.extend(sample(decoder) for _ in range(2)),
-                                                  torch.no_grad()(decoder.warm_up)()))  # (as fast_decoder calls it)
-        thread.start()
-        thread.join()
-        assert counters["stats"]["unique_graphs"] == graphs
-    else:
-        batches += [sample(decoder), sample(decoder)]  # the decoder twice: its cache is reused between batches
-    assert not batches[0].response_mask.all()  # some rows ended early: pads after EOS
-    for fast in batches[1:]:
-        assert torch.equal(fast.response, batches[0].response) and torch.equal(fast.response_mask, batches[0].response_mask)
-        # the same tokens; the log-probs differ only by the attention's rounding over the longer preallocated cache
-        torch.testing.assert_close(fast.behav_logprobs, batches[0].behav_logprobs, rtol=0,
-                                   atol=1e-12 if dtype == torch.float64 else 1e-5)
-
-
-def ragged_batch(tokenizer, n=7, T=6, seed=0):  # prompts of 3..12 tokens, responses of 1..T tokens
-    g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(5, len(tokenizer), (int(k),), generator=g).tolist() for k in torch.randint(3, 13, (n,), generator=g)]
-    ids, mask = pt.left_pad(prompts, tokenizer.pad_token_id, "cpu")
-    lengths = torch.cat([torch.tensor([1, T]), torch.randint(1, T + 1, (n - 2,), generator=g)])  # a length-1 response
-    response_mask = (torch.arange(T)[None] < lengths[:, None]).long()
-    response = torch.where(response_mask.bool(), torch.randint(5, len(tokenizer), (n, T), generator=g), tokenizer.pad_token_id)
-    return pt.Rollout(ids, mask, response, response_mask, None, None, None)
-
-
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
-def test_packed_scoring_equals_padded_scoring(tokenizer, family):
-    policy = (tiny_llama if family == "llama" else tiny_gpt2)(len(tokenizer), seed=3)  # float64
-    padded_critic = pt.build_critic(policy)
-    torch.nn.init.normal_(padded_critic.head.weight)  # a non-zero value head
-    batch = ragged_batch(tokenizer)
-    batch.kept_ids = make_kept(batch.response.reshape(-1), len(tokenizer), 5).view(*batch.response.shape, 5)  # top-k
-    padded = pt.sequence_logprobs(policy, *pt.full_sequence(batch), batch.response, batch.response_mask, 0.8,
-                                  batch.kept_ids)
-    padded_values = pt.critic_values(padded_critic, batch)
-    pt.use_packed_attention(pt.backbone_of(policy))
-    critic = pt.build_critic(policy)
-    critic.head.weight.data.copy_(padded_critic.head.weight)
-    *inputs, layout = pt.packed_inputs(batch)
-    assert inputs[0].shape[1] == int(batch.prompt_mask.sum() + batch.response_mask.sum())  # no pads at all
-    packed = pt.sequence_logprobs(policy, *inputs, batch.response, batch.response_mask, 0.8, batch.kept_ids,
-                                  layout=layout)
-    for a, b in zip(packed, padded):  # log-probs and entropies; float64, so only summation order differs
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
-        assert (a[~batch.response_mask.bool()] == 0).all()
-    # the critic is float32 (build_critic): float32 rounding
-    torch.testing.assert_close(pt.critic_values(critic, batch, pt.packed_inputs(batch)), padded_values, rtol=0, atol=1e-5)
-    cfg = SimpleNamespace(temperature=0.8, full_logits=True, micro_batch_tokens=64)  # the full-logits path packs too
-    torch.testing.assert_close(pt.rollout_logprobs(policy, batch, cfg)[0], padded[0], rtol=0, atol=1e-10)
-    from transformers import MistralConfig, MistralForCausalLM  # sliding windows are refused, not silently ignored
-    sliding = MistralForCausalLM(MistralConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1,
-                                               num_attention_heads=4, num_key_value_heads=2, sliding_window=3))
-    with pytest.raises(SystemExit, match="cannot run packed"):
-        pt.use_packed_attention(pt.backbone_of(sliding))
-
-
-def test_grouped_decode_attention_equals_sdpa_with_repeated_kv():
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(3, h, n, 8, generator=g, dtype=torch.float64) for h, n in ((6, 1), (2, 9), (2, 9)))
-    mask = torch.rand(3, 1, 1, 9, generator=g) > 0.3
-    mask[:, :, :, 0] = True  # (no fully masked row)
-    module = SimpleNamespace(num_key_value_groups=3, is_causal=True, training=False)
-    expected, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.3)  # repeats K/V 3 times
-    grouped, _ = kernels.ppo_attention(module, q, k, v, mask, grouped_decode=True, scaling=0.3)
-    assert grouped.shape == expected.shape == (3, 1, 6, 8)
-    torch.testing.assert_close(grouped, expected, rtol=0, atol=1e-12)
-
-
-def test_flash_attn_is_imported_to_detect_it_and_packing_is_checked_under_autocast(tmp_path, monkeypatch, capsys):
-    (tmp_path / "flash_attn").mkdir()  # installed (find_spec sees it) but built for another torch
-    (tmp_path / "flash_attn/__init__.py").write_text("raise ImportError('undefined symbol: _ZN3c10...')\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delenv("PPO_TOKENS_STRICT")
-    kernels.flash_attn_varlen.cache_clear()
-    try:
-        assert kernels.flash_attn_varlen() is None and "flash-attn is installed but does not import" in capsys.readouterr().out
-        kernels.flash_attn_varlen.cache_clear()
-        monkeypatch.setenv("PPO_TOKENS_STRICT", "1")
-        with pytest.raises(RuntimeError, match="PPO_TOKENS_STRICT=1: flash-attn is installed"):
-            kernels.flash_attn_varlen()
-    finally:
-        kernels.flash_attn_varlen.cache_clear()
-        sys.modules.pop("flash_attn", None)
-    policy = tiny_llama(16, dtype=torch.float32)
-    pt.use_packed_attention(policy.model, bf16=True)  # packed == padded in fp32 and under bf16 autocast
-    attention = kernels.ppo_attention  # a packed path that only goes wrong under autocast (as a broken flash-attn would)
-
-    def broken(module, query, *args, packed_layout=None, **kwargs):
-        out, _ = attention(module, query, *args, packed_layout=packed_layout, **kwargs)
-        return (out.flip(1) if packed_layout is not None and torch.is_autocast_enabled("cpu") else out), None
-    monkeypatch.setattr(kernels, "ppo_attention", broken)  # (use_ppo_attention registers it)
-    try:
-        pt.use_packed_attention(policy.model, bf16=False)
-        with pytest.raises(SystemExit, match="under --bf16"):
-            pt.use_packed_attention(policy.model, bf16=True)
-    finally:
-        monkeypatch.undo()
-        pt.use_ppo_attention(policy.model)  # the real one registered again, for the other tests
-
-
-def test_token_budget_micro_batches_cover_every_token_once(tokenizer):
-    cfg = pt.Config(batch_size=28, minibatches=2, micro_batch_tokens=40)
-    g = torch.Generator().manual_seed(1)
-    batch = pt.Rollout(torch.ones(28, 12, dtype=torch.long), (torch.arange(12) >= 12 - torch.randint(1, 13, (28, 1), generator=g)).long(),
-                       torch.ones(28, 9, dtype=torch.long), (torch.arange(9) < torch.randint(1, 10, (28, 1), generator=g)).long(),
-                       None, None, None)
-    lengths = (batch.prompt_mask.sum(1) + batch.response_mask.sum(1)).tolist()
-    order = torch.randperm(28, generator=g)
-    groups = pt.micro_batch_rows(batch, order.split(14), cfg)
-    for minibatch, micro in zip(order.split(14), groups):
-        rows = torch.cat(micro)
-        assert sorted(rows.tolist()) == sorted(minibatch.tolist())  # every row (so every token) exactly once
-        assert all(sum(lengths[r] for r in m.tolist()) <= 40 for m in micro)  # within the budget
-        assert len(micro) > 1
-    bins = pt.token_budget_bins([5, 30, 7, 30, 2, 9], 40, bins=5)  # at least 5 bins (ranks that must agree)
-    assert len(bins) == 5 and sorted(i for b in bins for i in b) == list(range(6))
-    assert pt.token_budget_bins([50, 3], 40) == [[0], [1]]  # a row over the budget gets a micro-batch of its own
-
-
-def test_packed_training_matches_padded_training(tokenizer, monkeypatch):
-    results, sizes = [], []
-    packed_inputs = pt.packed_inputs  # count the packed micro-batches and their real tokens
-    monkeypatch.setattr(pt, "packed_inputs", lambda b: (sizes.append(int(b.prompt_mask.sum() + b.response_mask.sum())),
-                                                        packed_inputs(b))[1])
-    for packed in (False, True):
-        cfg, policy, reference, critic, batch = tiny_setup(tokenizer, **({"micro_batch_tokens": 20} if packed else {}))
-        if packed:
-            pt.use_packed_attention(pt.backbone_of(policy))
-            pt.use_packed_attention(critic.backbone)
-            pt.use_packed_attention(pt.backbone_of(reference))
-            sizes.clear()  # (the checks' packed batches)
-        orders = [torch.randperm(8, generator=torch.Generator().manual_seed(0)) for _ in range(cfg.ppo_epochs)]
-        score(batch, policy, reference, critic, lambda b: torch.arange(8.0), cfg, orders[0])
-        opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (policy, critic)]
-        stats = pt.ppo_update(policy, critic, *opts, batch, cfg, orders)
-        assert stats["first_ratio_max_dev"] == 0.0  # the packed scoring pass and the first epoch agree to the bit
-        results.append((batch, stats, [p.detach().clone() for p in policy.parameters()]))
-    (a, sa, wa), (b, sb, wb) = results
-    # --micro-batch-tokens 20 is honoured: more micro-batches than minibatches (2 minibatches of 4 rows, ~39 tokens
-    # each, in the reference's, the trainer's and 2 epochs' passes), none over 20 real tokens, every token 4 times
-    assert len(sizes) > 2 * 4 and max(sizes) <= 20 and sum(sizes) == 4 * int(b.prompt_mask.sum() + b.response_mask.sum())
-    for name in ("old_logprobs", "values", "advantages"):
-        torch.testing.assert_close(getattr(b, name), getattr(a, name), rtol=1e-4, atol=1e-5)
-    for k in ("pg_loss", "vf_loss", "entropy"):
-        assert abs(sa[k] - sb[k]) < 1e-4, k
-    for x, y in zip(wa, wb):
-        torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-5)
-
-
-def test_gradient_checkpointing_and_bf16_autocast_keep_the_update(tokenizer):
-    _, plain, _ = sgd_update(tokenizer, ppo_epochs=1, minibatches=1)
-    calls = []
-
-    def checkpoint(policy, critic):
-        for model in (policy, critic):
-            pt.checkpoint_layers(model)
-        mlp = pt.decoder_layers(policy)[0].mlp
-        forward = mlp.forward
-        mlp.forward = lambda *a, **k: (calls.append(torch.is_grad_enabled()), forward(*a, **k))[1]
-
-    _, checkpointed, _ = sgd_update(tokenizer, prepare=checkpoint, ppo_epochs=1, minibatches=1)
-    assert calls == [False, True, True]  # scoring, the training forward, its recomputation in the backward
-    for a, b in zip(plain, checkpointed):
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
-    stats, bf16, _ = sgd_update(tokenizer, bf16=True, ppo_epochs=1, minibatches=1)
-    assert stats["first_ratio_max_dev"] == 0.0  # scoring and the first epoch run under the same autocast
-    flat = lambda steps: torch.cat([s.reshape(-1) for s in steps])
-    assert torch.nn.functional.cosine_similarity(flat(bf16), flat(plain), dim=0) > 0.99
-    assert float((flat(bf16) - flat(plain)).abs().max()) > 1e-5  # autocast did run: bf16 rounding moved the step
-    for full_logits in (False, True):
-        cfg, policy, _, _, batch = tiny_setup(tokenizer, bf16=True, full_logits=full_logits)
-        pt.fp32_head(policy)  # what train() does under --bf16
-        exact = pt.rollout_logprobs(policy, batch, cfg)[0]
-        with pt.autocast(cfg, torch.device("cpu")):
-            logits = policy(*pt.full_sequence(batch)).logits
-            mixed = pt.rollout_logprobs(policy, batch, cfg)[0]
-        assert logits.dtype == torch.float32 and mixed.dtype == torch.float32  # bf16 body, fp32 head
-        assert 0 < float((mixed - exact).detach().abs().max()) < 0.05
 
 
 # ---------------------------------------------------------------------------------------------------------------
