@@ -43,6 +43,7 @@ CUDA graph, packed (padding-free) attention and sequence packing, the fallback s
 depends on torch, triton and transformers only, never on ppo_tokens.py.
 """
 import argparse
+import contextlib
 import functools
 import importlib.util
 import inspect
@@ -620,8 +621,8 @@ def linear_token_logprobs(hidden, weight, tokens, temperature=1.0, *, mask=None,
 
 
 # ------------------------------------------------------------------------------------------------------ fast paths
-# The same results as ppo_tokens.py's plain paths, faster; ppo_tokens.py checks each against its plain path before
-# using it (fast_decoder, use_packed_attention) and calls it through one small function.
+# The same results as ppo_tokens.py's plain paths, faster; each is checked against its plain path before it is used
+# (fast_decoder, use_packed_attention, fused_head_agrees), and ppo_tokens.py calls it through one small function.
 # - StaticDecoder: the sampler's model calls with a preallocated KV cache and a CUDA graph per decode step (the plain
 #   path: ppo_tokens.PlainDecoder).
 # - Packed (padding-free) forwards: the real tokens of a micro-batch as one row (pack_sequences), and an attention for
@@ -638,6 +639,39 @@ def fall_back(message: str):
     if os.environ.get("PPO_TOKENS_STRICT") == "1":
         raise RuntimeError(f"PPO_TOKENS_STRICT=1: {message}")
     print(message, flush=True)
+
+
+@contextlib.contextmanager
+def ieee_fp32():  # start-up checks compare two paths in IEEE float32: TF32 would round each path its own way
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+@torch.no_grad()
+def fused_head_agrees(model, vocab=None) -> bool:
+    """Whether linear_token_logprobs from the last hidden states equals token_logprobs of the model's own logits on
+    a tiny batch (IEEE fp32 matmuls): a model that post-processes its logits (Gemma 2's softcapping, Cohere's
+    logit_scale, Granite's logits_scaling, Falcon-H1's lm_head_multiplier, ...) needs the full logits. The known
+    config keys first: small logits (a freshly initialised model) can hide a softcap. A head that is not a bias-free
+    Linear agrees trivially: the fused path does not serve it (ppo_tokens.sequence_logprobs)."""
+    config, head = model.config, getattr(model, "lm_head", None)
+    if any(getattr(config, k, None) not in (None, 1.0) for k in ("final_logit_softcapping", "logit_scale",
+                                                                 "logits_scaling")):
+        return False
+    if not isinstance(head, torch.nn.Linear) or head.bias is not None:
+        return True
+    ids = torch.randint(0, vocab or config.vocab_size, (2, 6), device=model.device)
+    inputs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False,
+                  position_ids=torch.arange(6, device=ids.device).expand(2, 6))
+    with ieee_fp32():  # the hidden state at column 2 + t predicts ids[:, 3 + t]
+        hidden = getattr(model, model.base_model_prefix)(**inputs).last_hidden_state[:, 2:-1]
+        fused = linear_token_logprobs(hidden.to(head.weight.dtype), head.weight[:vocab], ids[:, 3:], 1.0)[0]
+        full = token_logprobs(model(**inputs).logits[:, 2:-1, :vocab], ids[:, 3:], 1.0)[0]
+    return bool(torch.allclose(fused, full, rtol=1e-4, atol=1e-4))
 
 
 @functools.cache
@@ -709,12 +743,44 @@ def use_ppo_attention(model) -> bool:  # model (or a backbone) attends through p
     return True
 
 
+def use_packed_attention(backbone, bf16=False):
+    """Let a transformers backbone run packed forwards (ppo_attention), and check on a ragged batch that packed
+    hidden states equal padded ones, also under --bf16's autocast (flash-attn's path); else refuse with a message."""
+    if not use_ppo_attention(backbone):
+        raise SystemExit(f"--micro-batch-tokens packs sequences through SDPA; {type(backbone).__name__} uses "
+                         f"{backbone.config._attn_implementation!r} attention. Leave --micro-batch-tokens at 0")
+    device = backbone.device
+    ids = torch.randint(1, backbone.config.vocab_size, (2, 5), device=device)
+    prompt_mask = torch.tensor([[0, 1, 1], [1, 1, 1]], device=device)
+    response_mask = torch.tensor([[1, 1], [1, 0]], device=device)
+    attention_mask = torch.cat([prompt_mask, response_mask], 1)  # (2, 5): a left pad and a right pad
+    input_ids = ids.masked_fill(attention_mask == 0, 0)
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    *packed_inputs, layout = pack_sequences(input_ids, attention_mask, prompt_mask.sum(1), response_mask)
+    for mixed in (False, True) if bf16 else (False,):
+        where = f"{type(backbone).__name__}{' under --bf16' if mixed else ''}"
+        try:
+            with torch.no_grad(), ieee_fp32(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=mixed):
+                padded = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                  use_cache=False).last_hidden_state[attention_mask.bool()].float()
+                packed = backbone(input_ids=packed_inputs[0], attention_mask=packed_inputs[1], use_cache=False,
+                                  position_ids=packed_inputs[2], packed_layout=layout).last_hidden_state[0].float()
+        except (ValueError, RuntimeError) as e:
+            raise SystemExit(f"--micro-batch-tokens: {where} cannot run packed ({str(e).splitlines()[0][:200]}); "
+                             "leave it at 0")
+        # fp32: the same sums in another order; bf16 autocast: each path rounds to bf16 in other places
+        error = (packed - padded).abs().max() if not mixed else (packed - padded).norm() / padded.norm()
+        if error > (1e-3 if not mixed else 0.02):
+            raise SystemExit(f"--micro-batch-tokens: packed sequences give other hidden states than padded ones in "
+                             f"{where} ({float(error):.2g}); leave it at 0")
+
+
 class StaticDecoder:
     """The fast sampler's model calls: a preallocated KV cache (transformers' StaticCache) and attention mask, so a
     decode step allocates nothing and never waits for the host; on CUDA the step is captured once as a CUDA graph
     and replayed (one launch instead of ~10 kernels per layer, each with its Python dispatch). One decoder serves
     every batch of batch_size rows whose prompt + response fit in max_len. It needs full-attention layers that take
-    a ready 4D boolean mask through SDPA (Llama, Qwen2/3, Mistral, ...), which ppo_tokens.fast_decoder checks against
+    a ready 4D boolean mask through SDPA (Llama, Qwen2/3, Mistral, ...), which fast_decoder checks against
     the plain loop (ppo_tokens.PlainDecoder), whose interface it shares: start(prompt ids, mask, position ids) and
     step(token), each returning the next token's logits (B, V)."""
 
@@ -783,6 +849,62 @@ class StaticDecoder:
         self.position.add_(1)
         return self.decode(input_ids=self.token, attention_mask=self.mask[:, None, None, :],
                            position_ids=self.position, **self.cache, **self.keep, **self.grouped).logits[:, -1]
+
+
+def agrees_with_plain_loop(decoder, model, batch_size: int, plain):
+    """Raises if decoder's logits are not those of plain(model) (ppo_tokens.PlainDecoder) on a left-padded batch."""
+    ids = torch.randint(0, model.config.vocab_size, (batch_size, 3), device=model.device)
+    mask = torch.ones_like(ids)
+    mask[0, 0] = 0  # a left pad
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    outputs = [[d.start(ids, mask, position_ids), d.step(ids[:, 1]).clone(), d.step(ids[:, 2])]
+               for d in (decoder, plain(model))]
+    for a, b in zip(*outputs):  # fp32: log-probs within 1e-3; bf16 (one rounding step can be 0.25): distributions
+        a, b = torch.log_softmax(a.float(), -1), torch.log_softmax(b.float(), -1)  # within 0.02 total variation
+        diff = (a - b).abs().max() if model.dtype == torch.float32 else 0.5 * (a.exp() - b.exp()).abs().sum(-1).max()
+        if diff > (1e-3 if model.dtype == torch.float32 else 0.02):
+            raise ValueError(f"its next-token distributions differ from the plain loop's by {float(diff):.3g}")
+
+
+@torch.no_grad()
+def fast_decoder(model, batch_size: int, max_len: int, plain, compiled=False, threads=0):
+    """A StaticDecoder for model, with a CUDA graph on GPU, when it gives the logits of plain(model), the plain loop
+    (ppo_tokens.PlainDecoder), on a test batch; else that plain decoder (or no graph), with a message that says why.
+    compiled: its prefill and decode step go through torch.compile (dynamic shapes for the prompt length, static for
+    the step), compiled here under `threads` intra-op threads (0 = as now), the number the sampler runs with: the
+    compiled code is specialised to it."""
+    name = type(model).__name__
+    try:
+        decoder = StaticDecoder(model, batch_size, max(max_len, 5))  # (the check and capture() write 5 columns)
+        agrees_with_plain_loop(decoder, model, batch_size, plain)
+    except Exception as e:  # a model family the fast path does not support: sample with the plain loop
+        fall_back(f"fast sampler off for {name} ({str(e).splitlines()[0][:200]}); using the plain decode loop")
+        return plain(model)
+    if compiled:
+        t0 = time.perf_counter()
+        now = torch.get_num_threads()
+        print(f"compiling the sampler ({name}, {batch_size} rows) with torch.compile ...", flush=True)
+        try:
+            torch.set_num_threads(threads or now)
+            decoder.prefill = torch.compile(model, dynamic=True)
+            decoder.decode = torch.compile(model, dynamic=False)
+            agrees_with_plain_loop(decoder, model, batch_size, plain)  # compiles both, then checks them
+            print(f"compiled in {time.perf_counter() - t0:.0f} s")
+        except Exception as e:  # e.g. no C++ compiler on a CPU machine, or an op inductor does not support
+            decoder.prefill = decoder.decode = model
+            fall_back(f"torch.compile off for the sampler ({str(e).splitlines()[0][:200]}); the static cache decodes "
+                      "eagerly")
+        finally:
+            torch.set_num_threads(now)
+    if model.device.type == "cuda":
+        try:
+            decoder.capture()
+            agrees_with_plain_loop(decoder, model, batch_size, plain)
+        except Exception as e:  # e.g. a host sync inside the model's forward (dynamic RoPE)
+            torch.cuda.synchronize()
+            decoder.graph = None
+            fall_back(f"CUDA graph off for {name} ({str(e).splitlines()[0][:200]}); the static cache decodes eagerly")
+    return decoder
 
 
 def pack_sequences(input_ids, attention_mask, prompt_lengths, response_mask):

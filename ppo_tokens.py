@@ -38,8 +38,8 @@ import torch.nn as nn
 
 from kernels import linear_token_logprobs, token_logprobs  # the fused log-prob kernels
 # the fast paths (kernels.py), each checked against its plain path here: the sampler, packed forwards, timing
-from kernels import (StaticDecoder, decoder_kwargs, fall_back, pack_sequences, timed, token_budget_bins,
-                     use_ppo_attention)
+from kernels import (StaticDecoder, decoder_kwargs, fall_back, fast_decoder, fused_head_agrees, pack_sequences, timed,
+                     token_budget_bins, use_packed_attention)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -70,10 +70,12 @@ class Config:
     ppo_epochs: int = arg(2, "passes over each rollout batch")
     minibatches: int = arg(4, "optimizer steps per epoch; --batch-size must divide by it")
     micro_batch_size: int = arg(0, "rows per forward/backward, gradients accumulate; 0 = the whole minibatch")
-    micro_batch_tokens: int = arg(0, "instead: micro-batches of at most this many real tokens, packed into one sequence "
-                                  "each (padding-free; rows bucketed by length); 0 = padded rows")
-    gradient_checkpointing: bool = arg(False, "recompute each decoder layer's activations in the backward (less memory)")
-    bf16: bool = arg(False, "train under bf16 autocast over the fp32 master weights; the log-prob and value heads stay fp32")
+    micro_batch_tokens: int = arg(0, "instead: micro-batches of at most this many real tokens, packed into one "
+                                  "sequence each (padding-free; rows bucketed by length); 0 = padded rows")
+    gradient_checkpointing: bool = arg(False, "recompute each decoder layer's "
+                                       "activations in the backward (less memory)")
+    bf16: bool = arg(False, "train under bf16 autocast over the fp32 master weights; "
+                     "the log-prob and value heads stay fp32")
     lr: float = arg(5e-4, "policy learning rate (AdamW); the demo's value, use ~1e-6 for real models")
     critic_lr: float = arg(1e-3, "critic learning rate (AdamW); use ~1e-5 for real models")
     lr_decay: bool = arg(True, "decay both learning rates linearly to 0 over --steps")
@@ -84,16 +86,21 @@ class Config:
     value_clip_range: float = arg(0.2, "value-prediction clip around the rollout's values")
     entropy_coef: float = arg(0.0, "entropy bonus in the policy loss (0 = only logged)")
     kl_coef: float = arg(0.02, "weight of the per-token KL(policy || reference) penalty in the reward")
-    kl_estimator: str = arg("k1", "per-token KL estimator in the reward: k1 = logp - ref, k3 = e^(ref-logp) - (ref-logp) - 1")
+    kl_estimator: str = arg("k1", "per-token KL estimator in the reward: k1 = logp - "
+                            "ref, k3 = e^(ref-logp) - (ref-logp) - 1")
     gamma: float = arg(1.0, "GAE discount")
     lam: float = arg(0.95, "GAE lambda")
     whiten_scores: bool = arg(False, "whiten the sequence scores over the batch before adding them to the rewards")
-    missing_eos_penalty: float = arg(0.0, "subtracted from the score of completions that hit --response-length without EOS")
+    missing_eos_penalty: float = arg(0.0, "subtracted from the score of completions "
+                                     "that hit --response-length without EOS")
     # the overlapped loop (sampler thread + bounded queue + packed weight sync + off-policy correction)
-    max_staleness: int = arg(0, "policy versions a rollout batch may lag the trainer: 0 = synchronous PPO, 1 = one-step off-policy")
-    inflight_updates: bool = arg(False, "the sampler takes new weights between decode steps (mixed-version sequences, PipelineRL)")
+    max_staleness: int = arg(0, "policy versions a rollout batch may lag the trainer: 0 = "
+                             "synchronous PPO, 1 = one-step off-policy")
+    inflight_updates: bool = arg(False, "the sampler takes new weights between decode steps "
+                                 "(mixed-version sequences, PipelineRL)")
     is_cap: float = arg(2.0, "cap on the decoupled-PPO importance weight exp(prox_logp - behav_logp) of stale tokens")
-    is_mode: str = arg("truncate", "capped weights: 'truncate' (set to --is-cap) or 'mask' (set to 0: no policy gradient)")
+    is_mode: str = arg("truncate", "capped weights: 'truncate' (set to --is-cap) or "
+                       "'mask' (set to 0: no policy gradient)")
     max_token_age: int = arg(-1, "drop tokens sampled more than this many versions ago from the loss (-1 = keep all)")
     trace: str = arg("", "write a Chrome trace (chrome://tracing, ui.perfetto.dev) of sampler and trainer to this file")
     bench_overlap: bool = arg(False, "benchmark: run --steps iterations at --max-staleness 0, 1 and 2, print a table")
@@ -102,7 +109,8 @@ class Config:
                              "transformers' DynamicCache, one column more per step")
     compile_sampler: bool = arg(False, "torch.compile the sampler's prefill and decode step (fused kernels, far less "
                                 "Python per token); costs ~10-40 s of compiling at start; needs the static cache")
-    full_logits: bool = arg(False, "compute log-probs from full [tokens, vocab] logits instead of the fused lm_head path")
+    full_logits: bool = arg(False, "compute log-probs from full [tokens, vocab] "
+                            "logits instead of the fused lm_head path")
     fsdp: bool = arg(False, "torchrun: shard actor/critic weights, grads, Adam states (FSDP2), not replicate (DDP)")
     # the built-in demo
     demo_warmup_max_steps: int = arg(1500, "cap on supervised warm-up steps before PPO (0 = no warm-up)")
@@ -115,16 +123,24 @@ class Config:
     eval_size: int = arg(1000, "held-out prompts per evaluation (demo only)")
     sample_every: int = arg(50, "print a few sample completions every this many iterations (0 = never)")
     # checkpoints and failures
-    save_every: int = arg(0, "write a checkpoint every this many iterations and after the last (0 = only on SIGINT/SIGTERM)")
-    keep_checkpoints: int = arg(2, "keep the newest this many checkpoints in --output-dir/checkpoints, delete older ones")
-    resume: str = arg("", "'--resume': continue from the newest whole checkpoint in --output-dir; '--resume PATH': from "
-                      "that checkpoint or run directory (its config is used; flags that change the run are refused)")
-    max_bad_steps: int = arg(3, "stop after this many consecutive updates skipped for non-finite rewards, losses or grads")
-    long_prompts: str = arg("truncate", "prompts over --max-prompt-length: 'truncate' (keep the last tokens) or 'refuse'")
+    save_every: int = arg(0, "write a checkpoint every this many iterations and after "
+                          "the last (0 = only on SIGINT/SIGTERM)")
+    keep_checkpoints: int = arg(2, "keep the newest this many checkpoints in "
+                                "--output-dir/checkpoints, delete older ones")
+    resume: str = arg("", "'--resume': continue from the newest whole checkpoint in --output-dir; "
+                      "'--resume PATH': from that checkpoint or run directory (its config is used; flags that "
+                      "change the run are refused)")
+
+
+    max_bad_steps: int = arg(3, "stop after this many consecutive updates skipped for "
+                             "non-finite rewards, losses or grads")
+    long_prompts: str = arg("truncate", "prompts over --max-prompt-length: "
+                            "'truncate' (keep the last tokens) or 'refuse'")
     # run
     seed: int = arg(1, "seeds model init, sampling, data order and minibatch shuffling")
     device: str = arg("auto", "'auto' (cuda if available), 'cpu', 'cuda' or 'cuda:N'")
-    dtype: str = arg("float32", "dtype of the frozen models (reference, reward model); policy and critic train in float32")
+    dtype: str = arg("float32", "dtype of the frozen models (reference, reward "
+                     "model); policy and critic train in float32")
     tf32: bool = arg(True, "CUDA: float32 matmuls in TF32 (10-bit mantissa inputs, fp32 sums; several times faster); "
                      "off = IEEE float32")
     output_dir: str = arg("", "where config.json, metrics.jsonl and policy/ go; empty = runs/<date-time>")
@@ -260,16 +276,17 @@ def generate(sampler, prompt_ids, prompt_mask, *, max_new_tokens, temperature, s
             policy_version = between_steps()
         logits = decoder.step(tokens[-1])[:, :vocab]
     response = torch.stack(tokens, 1)  # (B, T)
+    policy_version = torch.tensor(versions, device=response.device).expand_as(response).clone()  # (B, T)
     return Rollout(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response=response,
                    response_mask=torch.stack(masks, 1).long(), behav_logprobs=torch.stack(logprobs, 1),
-                   policy_version=torch.tensor(versions, device=response.device).expand_as(response).clone(), ended=done,
-                   kept_ids=torch.stack(kept, 1) if kept else None)
+                   policy_version=policy_version, ended=done, kept_ids=torch.stack(kept, 1) if kept else None)
 
 
 def decode_completions(tokenizer, batch: Rollout):
     """Completion text up to (not including) EOS, special tokens dropped: what a reward function reads."""
     lengths = (batch.response_mask.sum(-1) - batch.ended.long()).tolist()  # real tokens minus the EOS
-    return tokenizer.batch_decode([r[:n] for r, n in zip(batch.response.tolist(), lengths)], skip_special_tokens=True)
+    completions = [r[:n] for r, n in zip(batch.response.tolist(), lengths)]
+    return tokenizer.batch_decode(completions, skip_special_tokens=True)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -285,32 +302,40 @@ def sequence_logprobs(model, input_ids, attention_mask, position_ids, response, 
     response tokens, in row-major order. vocab: the distribution is over ids < vocab only, as generate samples it."""
     mask = response_mask.bool()
     inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-    if layout is None:  # (B, T, H) hidden states and what they predict
-        select, targets, kept, target_mask = (lambda h: h[:, input_ids.shape[1] - response.shape[1] - 1:-1]), response, kept_ids, mask
+    if layout is None:  # (B, T, H) hidden states: the one at column P-1+t predicts response token t
+        predict = slice(input_ids.shape[1] - response.shape[1] - 1, -1)
+        targets, target_mask, kept = response, mask, kept_ids
     else:  # (1, n, H): the n real response tokens only
-        inputs["packed_layout"], targets, target_mask = layout, response[mask][None], None
-        select, kept = (lambda h: h[:, layout["predict"]]), (None if kept_ids is None else kept_ids[mask][None])
+        inputs["packed_layout"] = layout
+        predict = layout["predict"]
+        targets, target_mask = response[mask][None], None
+        kept = None if kept_ids is None else kept_ids[mask][None]
     # fused path when logits are exactly hidden @ W.T (setup checks it: fused_head_agrees): never holds the
-    # [tokens, vocab] logits, see kernels.linear_token_logprobs
+    # [tokens, vocab] logits, see kernels.linear_token_logprobs. --bf16: the head stays fp32 (logits in fp32)
     head = getattr(model, "lm_head", None)
     if not full_logits and isinstance(head, nn.Linear) and head.bias is None:
-        hidden = select(backbone_of(model)(**inputs).last_hidden_state)
-        with torch.autocast(hidden.device.type, enabled=False):  # --bf16: the head stays fp32 (logits in fp32)
-            out = linear_token_logprobs(hidden.to(head.weight.dtype), head.weight[:vocab], targets, temperature,
-                                        mask=target_mask, kept_ids=kept)
+        hidden = backbone_of(model)(**inputs).last_hidden_state[:, predict]
+        out = outside_autocast(linear_token_logprobs, hidden, head.weight.dtype, head.weight[:vocab], targets,
+                               temperature, mask=target_mask, kept_ids=kept)
     else:
-        logits = select(model(**inputs).logits)[..., :vocab]
+        logits = model(**inputs).logits[:, predict, :vocab]
         out = token_logprobs(logits, targets, temperature, mask=target_mask, kept_ids=kept)
-    return out if layout is None else tuple(torch.zeros_like(mask, dtype=o.dtype).masked_scatter(mask, o[0]) for o in out)
+    if layout is not None:  # back to (B, T), zeros on the pads
+        out = tuple(torch.zeros_like(mask, dtype=o.dtype).masked_scatter(mask, o[0]) for o in out)
+    return out
 
 
 class Actor(nn.Module):
     """sequence_logprobs of a policy as one module forward, so DDP and FSDP2 see the whole computation: the fused
-    path reads lm_head.weight directly, which only the forward of the module they wrap syncs (DDP) or gathers (FSDP2)."""
+    path reads lm_head.weight directly, which only the forward of the module they wrap syncs (DDP) or gathers
+    (FSDP2)."""
 
     def __init__(self, policy, temperature: float, full_logits=False, vocab=None):
         super().__init__()
-        self.policy, self.temperature, self.full_logits, self.vocab = policy, temperature, full_logits, vocab
+        self.policy = policy
+        self.temperature = temperature
+        self.full_logits = full_logits
+        self.vocab = vocab
 
     def forward(self, input_ids, attention_mask, position_ids, response, response_mask, kept_ids=None, layout=None):
         return sequence_logprobs(self.policy, input_ids, attention_mask, position_ids, response, response_mask,
@@ -336,8 +361,10 @@ def packed_inputs(batch: Rollout):  # the fast path of model_inputs: the batch's
 
 def rollout_logprobs(model, batch: Rollout, cfg: Config, inputs=None):  # (logprobs, entropy), (B, T) each
     """Of a batch's responses; inputs: model_inputs(batch, cfg) when the caller already has them (for the critic)."""
-    actor = model if isinstance(getattr(model, "module", model), Actor) else Actor(model, cfg.temperature, cfg.full_logits)
+    is_actor = isinstance(getattr(model, "module", model), Actor)  # (DDP's module)
+    actor = model if is_actor else Actor(model, cfg.temperature, cfg.full_logits)
     *inputs, layout = inputs or model_inputs(batch, cfg)
+
     return actor(*inputs, batch.response, batch.response_mask, batch.kept_ids, layout)
 
 
@@ -515,7 +542,8 @@ def value_loss(values, old_values, returns, mask, clip_range, n_tokens=None):
     clipped = old_values + torch.clamp(values - old_values, -clip_range, clip_range)
     loss = 0.5 * masked_mean(torch.maximum((values - returns) ** 2, (clipped - returns) ** 2), mask, n_tokens)
     with torch.no_grad():
-        stats = {"vf_clipfrac": masked_mean(((values - returns) ** 2 < (clipped - returns) ** 2).to(values.dtype), mask, n_tokens)}
+        clipped_worse = ((values - returns) ** 2 < (clipped - returns) ** 2).to(values.dtype)
+        stats = {"vf_clipfrac": masked_mean(clipped_worse, mask, n_tokens)}
     return loss, stats
 
 
@@ -549,7 +577,8 @@ def ppo_update(policy, critic, policy_opt, critic_opt, batch: Rollout, cfg: Conf
     minibatch_size = batch.response.shape[0] // cfg.minibatches
     sums, n_steps, first_ratio_max_dev = {}, 0, torch.zeros(())
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    minibatches = [rows for order in row_orders[:cfg.ppo_epochs] for rows in order.to(batch.response.device).split(minibatch_size)]
+    minibatches = [rows for order in row_orders[:cfg.ppo_epochs]
+                   for rows in order.to(batch.response.device).split(minibatch_size)]  # epoch by epoch
     # (one collective; a minibatch without a token on any rank divides by 1, not 0)
     tokens = all_reduce(torch.stack([batch.loss_mask[rows].sum() for rows in minibatches])).clamp(min=1) / world
     device, all_micro_rows = batch.response.device, micro_batch_rows(batch, minibatches, cfg, ranks_agree=True)
@@ -664,50 +693,25 @@ def train(cfg: Config, run, output_dir: str, threaded=None, ctx: Dist = Dist()):
 def setup(cfg: Config, ctx: Dist = Dist()):
     """Tokenizer, policy (warmed up for the demo), frozen reference, critic, reward function and prompts. Everything
     that can be checked cheaply (prompts, reward function, model paths, lengths) is, before the warm-up."""
-    name = cfg.device if cfg.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(f"cuda:{ctx.local_rank}" if name == "cuda" else name)  # one GPU per local rank
-    if device.type == "cuda":  # the current device: Triton launches, streams, events and graphs use it
-        torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.allow_tf32 = cfg.tf32  # fp32 matmuls (trainer, fp32 heads) in TF32: README
+    device = run_device(cfg, ctx)
     dtype = getattr(torch, cfg.dtype)
     torch.manual_seed(cfg.seed)
     prompt_texts = load_prompts(cfg.prompts) if cfg.prompts else None
     rule = load_reward_function(cfg.reward) if cfg.reward else addition_reward
-    if cfg.model:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-            policy = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
-        except (OSError, ValueError) as e:
-            raise SystemExit(f"--model {cfg.model}: cannot load a causal LM and its tokenizer ({str(e).splitlines()[0]})")
-    else:
-        tokenizer = build_demo_tokenizer()
-        policy = build_demo_policy(tokenizer, cfg.seed, cfg.demo_hidden, cfg.demo_layers)
-    if policy.config.model_type in ("rwkv", "xlstm", "recurrent_gemma", "mamba", "falcon_mamba"):
-        raise SystemExit(f"--model {cfg.model}: {policy.config.model_type} is not supported: its recurrent state "
-                         "ignores left padding or its 1-token decode steps (the sampler batches left-padded prompts)")
-    if tokenizer.eos_token_id is None:
-        raise SystemExit(f"the tokenizer of {cfg.model or 'the demo'} has no EOS token; set eos_token in its config")
-    stop_ids = stop_token_ids(tokenizer, policy)
-    vocab = ensure_pad_token(tokenizer, policy, stop_ids)
-    disable_dropout(policy)
-    policy.to(device, torch.float32).eval()  # fp32 master weights (bf16 Adam updates round away); eval: no dropout
-    if not cfg.full_logits and not fused_head_agrees(policy, vocab):
-        fall_back(f"{type(policy).__name__} post-processes its logits (they are not hidden @ lm_head.weight.T): "
-                  "log-probs from its full logits (--full-logits)")
-        cfg.full_logits = True
+    tokenizer, policy, stop_ids, vocab = load_policy(cfg, device)
     run = dict(tokenizer=tokenizer, policy=policy, eval_ids=None, eval_texts=None, prompt_texts=prompt_texts,
                stop_ids=stop_ids, vocab=vocab)
     if not cfg.prompts:
         # all (a, b) in 0..99 x 0..99, split into training and held-out pairs once: the same split for every --seed
         pairs = [divmod(i, 100) for i in torch.randperm(10_000, generator=torch.Generator().manual_seed(1234)).tolist()]
-        train_pairs, eval_pairs = pairs[cfg.eval_size:], pairs[:cfg.eval_size]
+        train_pairs = pairs[cfg.eval_size:]
         run["prompt_texts"] = [addition_prompt(a, b) for a, b in train_pairs]
-        run["eval_texts"] = [addition_prompt(a, b) for a, b in eval_pairs]
+        run["eval_texts"] = [addition_prompt(a, b) for a, b in pairs[:cfg.eval_size]]
         run["eval_ids"] = format_prompts(tokenizer, run["eval_texts"], cfg.chat_template, cfg.max_prompt_length)
     run["prompt_ids"] = format_prompts(tokenizer, run["prompt_texts"], cfg.chat_template, cfg.max_prompt_length,
                                        cfg.long_prompts)
-    longest, context = max(map(len, run["prompt_ids"])), getattr(policy.config, "max_position_embeddings", None)
+    longest = max(map(len, run["prompt_ids"]))
+    context = getattr(policy.config, "max_position_embeddings", None)
     if context and longest + cfg.response_length > context:
         raise SystemExit(f"the longest prompt ({longest} tokens) plus --response-length {cfg.response_length} exceeds "
                          f"the model's context of {context} tokens; lower --max-prompt-length or --response-length")
@@ -715,11 +719,11 @@ def setup(cfg: Config, ctx: Dist = Dist()):
     if cfg.reward_model:
         reward_model, rm_tokenizer = load_reward_model(cfg.reward_model, device, dtype)
         same_tokenizer = same_vocabulary(rm_tokenizer, tokenizer)
-        run["reward_fn"] = lambda b: reward_model_scores(reward_model, rm_tokenizer, tokenizer, b, cfg.chat_template,
-                                                         cfg.micro_batch_size or cfg.batch_size // cfg.minibatches // ctx.world)
-    else:
-        demo_rule = not cfg.reward  # the demo's exact match includes the EOS: digits, then stop
-        run["reward_fn"] = lambda b: call_reward_function(rule, b.prompts, b.completions, device) * (b.ended if demo_rule else 1)
+        rows = cfg.micro_batch_size or cfg.batch_size // cfg.minibatches // ctx.world
+        run["reward_fn"] = functools.partial(reward_model_scores, reward_model, rm_tokenizer, tokenizer,
+                                             use_chat_template=cfg.chat_template, micro_batch_size=rows)
+    else:  # the demo's exact match also needs the EOS: digits, then stop
+        run["reward_fn"] = functools.partial(rule_scores, rule, not cfg.reward)
     if not cfg.prompts:
         if ctx.rank > 0:  # rank 0 warms up and fills the cache first; the other ranks then load it
             torch.distributed.barrier()
@@ -736,9 +740,51 @@ def setup(cfg: Config, ctx: Dist = Dist()):
     run["critic"] = build_critic(policy, reward_model, same_tokenizer)
     if cfg.micro_batch_tokens:  # (a critic from the reward model has its own attention set-up)
         use_packed_attention(run["critic"].backbone, cfg.bf16)
+    from_rm = reward_model is not None and same_tokenizer
     print(f"policy {sum(p.numel() for p in policy.parameters()) / 1e6:.2f}M parameters on {device}; critic from "
-          f"{'the reward model' if reward_model is not None and same_tokenizer else 'the policy, zero-initialised head'}")
+          f"{'the reward model' if from_rm else 'the policy, zero-initialised head'}")
     return dataclasses.make_dataclass("Run", run.keys())(**run)
+
+
+def run_device(cfg: Config, ctx: Dist):  # --device; under torchrun one GPU per local rank
+    name = cfg.device if cfg.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(f"cuda:{ctx.local_rank}" if name == "cuda" else name)
+    if device.type == "cuda":  # the current device: Triton launches, streams, events and graphs use it
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = cfg.tf32  # fp32 matmuls (trainer, fp32 heads) in TF32: README
+    return device
+
+
+def load_policy(cfg: Config, device):
+    """The policy (--model, or the demo's) and its tokenizer, checked for what sampling needs: an architecture the
+    batched sampler serves, an EOS, every stop id, a pad distinct from them. fp32 master weights (bf16 Adam updates
+    round away), dropout off. Returns (tokenizer, policy, stop ids, the sampled vocabulary)."""
+    if cfg.model:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+            policy = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"--model {cfg.model}: cannot load a causal LM and its tokenizer "
+                             f"({str(e).splitlines()[0]})")
+    else:
+        tokenizer = build_demo_tokenizer()
+        policy = build_demo_policy(tokenizer, cfg.seed, cfg.demo_hidden, cfg.demo_layers)
+    if policy.config.model_type in ("rwkv", "xlstm", "recurrent_gemma", "mamba", "falcon_mamba"):
+        raise SystemExit(f"--model {cfg.model}: {policy.config.model_type} is not supported: its recurrent state "
+                         "ignores left padding or its 1-token decode steps (the sampler batches left-padded prompts)")
+    if tokenizer.eos_token_id is None:
+        raise SystemExit(f"the tokenizer of {cfg.model or 'the demo'} has no EOS token; set eos_token in its config")
+    stop_ids = stop_token_ids(tokenizer, policy)
+    vocab = ensure_pad_token(tokenizer, policy, stop_ids)
+    disable_dropout(policy)
+    policy.to(device, torch.float32).eval()  # eval: no dropout
+    if not cfg.full_logits and not fused_head_agrees(policy, vocab):
+        fall_back(f"{type(policy).__name__} post-processes its logits (they are not hidden @ lm_head.weight.T): "
+                  "log-probs from its full logits (--full-logits)")
+        cfg.full_logits = True
+    return tokenizer, policy, stop_ids, vocab
+
 
 
 def build_demo_tokenizer():
@@ -820,17 +866,18 @@ class ScalarHeadModel(nn.Module):
     def forward(self, input_ids, attention_mask, position_ids, **packing):  # -> (B, L) float32
         hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                use_cache=False, **packing).last_hidden_state
-        with torch.autocast(hidden.device.type, enabled=False):  # --bf16: the value head stays fp32
-            return self.head(hidden.to(self.head.weight.dtype)).squeeze(-1).float()
+        return outside_autocast(self.head, hidden, self.head.weight.dtype).squeeze(-1).float()  # --bf16: fp32 head
 
 
 def load_reward_model(path: str, device, dtype):
     """Returns (ScalarHeadModel, its tokenizer) from an AutoModelForSequenceClassification directory."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
     try:
-        model, tokenizer = AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype), AutoTokenizer.from_pretrained(path)
+        model = AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
-        raise SystemExit(f"--reward-model {path}: cannot load a sequence-classification model and tokenizer ({str(e).splitlines()[0]})")
+        raise SystemExit(f"--reward-model {path}: cannot load a sequence-classification model and tokenizer "
+                         f"({str(e).splitlines()[0]})")
     if model.config.num_labels != 1:
         raise SystemExit(f"--reward-model {path}: num_labels is {model.config.num_labels}; a reward model has 1")
     head = getattr(model, "score", None)
@@ -855,114 +902,6 @@ def build_critic(policy, reward_model=None, same_tokenizer=False):
     return ScalarHeadModel(backbone, head).to(torch.float32).requires_grad_(True).eval()
 
 
-@torch.no_grad()
-def fused_head_agrees(model, vocab=None) -> bool:
-    """Whether the fused path's log-probs equal those of the model's own logits on a tiny batch (IEEE fp32 matmuls):
-    a model that post-processes its logits (Gemma 2's softcapping, Cohere's logit_scale, Granite's logits_scaling,
-    Falcon-H1's lm_head_multiplier, ...) needs --full-logits. The known config keys first: small logits (a freshly
-    initialised model) can hide a softcap."""
-    config = getattr(model, "config", None)
-    scales = ("final_logit_softcapping", "logit_scale", "logits_scaling")
-    if any(getattr(config, k, None) not in (None, 1.0) for k in scales):
-        return False
-    ids = torch.randint(0, vocab or model.config.vocab_size, (2, 6), device=model.device)
-    inputs = (ids, torch.ones_like(ids), positions(torch.ones_like(ids)), ids[:, 3:], torch.ones_like(ids[:, 3:]), 1.0)
-    with ieee_fp32():
-        fused, full = (sequence_logprobs(model, *inputs, full_logits=f, vocab=vocab)[0] for f in (False, True))
-    return bool(torch.allclose(fused, full, rtol=1e-4, atol=1e-4))
-
-
-@contextlib.contextmanager
-def ieee_fp32():  # start-up checks compare two paths in IEEE float32: TF32 would round each path its own way
-    tf32 = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = tf32
-
-
-def use_packed_attention(backbone, bf16=False):
-    """Let a transformers backbone run packed forwards (ppo_attention), and check on a ragged batch that packed
-    hidden states equal padded ones, also under --bf16's autocast (flash-attn's path); else refuse with a message."""
-    if not use_ppo_attention(backbone):
-        raise SystemExit(f"--micro-batch-tokens packs sequences through SDPA; {type(backbone).__name__} uses "
-                         f"{backbone.config._attn_implementation!r} attention. Leave --micro-batch-tokens at 0")
-    device = backbone.device
-    ids = torch.randint(1, backbone.config.vocab_size, (2, 5), device=device)
-    check = Rollout(ids[:, :3], torch.tensor([[0, 1, 1], [1, 1, 1]], device=device), ids[:, 3:],
-                    torch.tensor([[1, 1], [1, 0]], device=device), None, None, None)
-    input_ids, attention_mask, position_ids = full_sequence(check)
-    for mixed in (False, True) if bf16 else (False,):
-        where = f"{type(backbone).__name__}{' under --bf16' if mixed else ''}"
-        try:
-            with torch.no_grad(), ieee_fp32(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=mixed):
-                padded = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                  use_cache=False).last_hidden_state[attention_mask.bool()].float()
-                *inputs, layout = packed_inputs(check)
-                packed = backbone(*inputs[:1], attention_mask=inputs[1], position_ids=inputs[2], use_cache=False,
-                                  packed_layout=layout).last_hidden_state[0].float()
-        except (ValueError, RuntimeError) as e:
-            raise SystemExit(f"--micro-batch-tokens: {where} cannot run packed ({str(e).splitlines()[0][:200]}); "
-                             "leave it at 0")
-        # fp32: the same sums in another order; bf16 autocast: each path rounds to bf16 in other places
-        error = (packed - padded).abs().max() if not mixed else (packed - padded).norm() / padded.norm()
-        if error > (1e-3 if not mixed else 0.02):
-            raise SystemExit(f"--micro-batch-tokens: packed sequences give other hidden states than padded ones in "
-                             f"{where} ({float(error):.2g}); leave it at 0")
-
-
-def agrees_with_plain_loop(decoder, model, batch_size: int):  # raises if decoder's logits are not the plain loop's
-    ids = torch.randint(0, model.config.vocab_size, (batch_size, 3), device=model.device)
-    mask = torch.ones_like(ids)
-    mask[0, 0] = 0  # a left pad
-    outputs = [[d.start(ids, mask, positions(mask)), d.step(ids[:, 1]).clone(), d.step(ids[:, 2])]
-               for d in (decoder, PlainDecoder(model))]
-    for a, b in zip(*outputs):  # fp32: log-probs within 1e-3; bf16 (one rounding step can be 0.25): distributions
-        a, b = torch.log_softmax(a.float(), -1), torch.log_softmax(b.float(), -1)  # within 0.02 total variation
-        diff = (a - b).abs().max() if model.dtype == torch.float32 else 0.5 * (a.exp() - b.exp()).abs().sum(-1).max()
-        if diff > (1e-3 if model.dtype == torch.float32 else 0.02):
-            raise ValueError(f"its next-token distributions differ from the plain loop's by {float(diff):.3g}")
-
-
-@torch.no_grad()
-def fast_decoder(model, batch_size: int, max_len: int, compiled=False, threads=0):
-    """A StaticDecoder for model, with a CUDA graph on GPU, when it gives the plain loop's logits on a test batch;
-    else a PlainDecoder (or no graph), with a message that says why. compiled: its prefill and decode step go through
-    torch.compile (dynamic shapes for the prompt length, static for the step), compiled here under `threads`
-    intra-op threads (0 = as now), the number the sampler runs with: the compiled code is specialised to it."""
-    name = type(model).__name__
-    try:
-        decoder = StaticDecoder(model, batch_size, max(max_len, 5))  # (the check and capture() write 5 columns)
-        agrees_with_plain_loop(decoder, model, batch_size)
-    except Exception as e:  # a model family the fast path does not support: sample with the plain loop
-        fall_back(f"fast sampler off for {name} ({str(e).splitlines()[0][:200]}); using the plain decode loop")
-        return PlainDecoder(model)
-    if compiled:
-        t0, now = time.perf_counter(), torch.get_num_threads()
-        print(f"compiling the sampler ({name}, {batch_size} rows) with torch.compile ...", flush=True)
-        try:
-            torch.set_num_threads(threads or now)
-            decoder.prefill, decoder.decode = torch.compile(model, dynamic=True), torch.compile(model, dynamic=False)
-            agrees_with_plain_loop(decoder, model, batch_size)  # compiles both, then checks them
-            print(f"compiled in {time.perf_counter() - t0:.0f} s")
-        except Exception as e:  # e.g. no C++ compiler on a CPU machine, or an op inductor does not support
-            decoder.prefill = decoder.decode = model
-            fall_back(f"torch.compile off for the sampler ({str(e).splitlines()[0][:200]}); the static cache decodes "
-                      "eagerly")
-        finally:
-            torch.set_num_threads(now)
-    if model.device.type == "cuda":
-        try:
-            decoder.capture()
-            agrees_with_plain_loop(decoder, model, batch_size)
-        except Exception as e:  # e.g. a host sync inside the model's forward (dynamic RoPE)
-            torch.cuda.synchronize()
-            decoder.graph = None
-            fall_back(f"CUDA graph off for {name} ({str(e).splitlines()[0][:200]}); the static cache decodes eagerly")
-    return decoder
-
-
 def decoder_layers(model):  # the transformer blocks: the longest ModuleList
     return max((m for m in model.modules() if isinstance(m, nn.ModuleList)), key=len)
 
@@ -978,16 +917,19 @@ def checkpoint_layers(model):
         layer.forward = functools.partial(checkpointed, layer.forward)
 
 
+def outside_autocast(fn, hidden, dtype, *args, **kwargs):
+    """fn(hidden.to(dtype), *args, **kwargs) with autocast off: under --bf16 every head (the lm_head, the fused
+    log-prob path, the value head) computes in its weights' dtype (fp32 for the trained models)."""
+    with torch.autocast(hidden.device.type, enabled=False):
+        return fn(hidden.to(dtype), *args, **kwargs)
+
+
 def fp32_head(model):
     """--bf16: the lm_head runs outside autocast in fp32, so the full-logits path gets fp32 logits (autocast leaves a
     model's logit post-processing, softcapping or scaling, in its input's dtype); the fused path does the same."""
     head = model.get_output_embeddings()
-    forward = head.forward
+    head.forward = functools.partial(outside_autocast, head.forward, dtype=head.weight.dtype)
 
-    def fp32_forward(hidden):
-        with torch.autocast(hidden.device.type, enabled=False):
-            return forward(hidden.to(head.weight.dtype))
-    head.forward = fp32_forward
 
 
 def autocast(cfg: Config, device):  # --bf16: the trainer's forwards in bf16 autocast, its weights and Adam in fp32
@@ -996,11 +938,13 @@ def autocast(cfg: Config, device):  # --bf16: the trainer's forwards in bf16 aut
 
 def make_optimizers(cfg: Config, policy, critic):
     """AdamW per model (eps 1e-5: the N+ details), decayed linearly to 0 over --steps unless --no-lr-decay."""
-    adamw = lambda m, lr: torch.optim.AdamW(m.parameters(), lr=lr, eps=cfg.adam_eps, weight_decay=cfg.weight_decay,
-                                            fused=True)  # one kernel for all parameters, CPU and CUDA
-    policy_opt, critic_opt = adamw(policy, cfg.lr), adamw(critic, cfg.critic_lr)
-    decay = (lambda s: max(0.0, 1.0 - s / cfg.steps)) if cfg.lr_decay else (lambda s: 1.0)
-    return policy_opt, critic_opt, [torch.optim.lr_scheduler.LambdaLR(o, decay) for o in (policy_opt, critic_opt)]
+    optimizers = [torch.optim.AdamW(model.parameters(), lr=lr, eps=cfg.adam_eps, weight_decay=cfg.weight_decay,
+                                    fused=True)  # one kernel for all parameters, CPU and CUDA
+                  for model, lr in ((policy, cfg.lr), (critic, cfg.critic_lr))]
+
+    def decay(step: int) -> float:  # the learning rates' factor after `step` updates
+        return max(0.0, 1.0 - step / cfg.steps) if cfg.lr_decay else 1.0
+    return (*optimizers, [torch.optim.lr_scheduler.LambdaLR(o, decay) for o in optimizers])
 
 
 def wrap_for_training(model, cfg: Config):
@@ -1119,7 +1063,8 @@ def reward_model_scores(reward_model, rm_tokenizer, policy_tokenizer, batch, use
             texts = [chat_text(rm_tokenizer, chat, ended) for chat, ended in zip(chats, batch.ended.tolist())]
             seqs = rm_tokenizer(texts, add_special_tokens=False)["input_ids"]
         else:
-            eos = [(rm_tokenizer.eos_token or "") if e else "" for e in batch.ended.tolist()]  # scored at the EOS, as above
+            # scored at the EOS, as above
+            eos = [(rm_tokenizer.eos_token or "") if e else "" for e in batch.ended.tolist()]
             seqs = rm_tokenizer([p + c + e for p, c, e in zip(batch.prompts, batch.completions, eos)])["input_ids"]
         ids, mask = left_pad(seqs, rm_tokenizer.pad_token_id or 0, batch.response.device)
     last = (mask * torch.arange(mask.shape[1], device=mask.device)).argmax(-1)  # (B,) last real column
@@ -1137,7 +1082,13 @@ def chat_text(tokenizer, chat, ended: bool) -> str:  # a finished assistant turn
         return tokenizer.apply_chat_template(chat, tokenize=False)
 
 
+def rule_scores(rule, needs_eos: bool, batch: Rollout):  # (B,) a reward function's scores of a batch
+    scores = call_reward_function(rule, batch.prompts, batch.completions, batch.response.device)
+    return scores * batch.ended if needs_eos else scores  # (the demo's rule: a sum without its EOS scores 0)
+
+
 def call_reward_function(fn, prompts, completions, device):
+
     """A user's reward function, checked: one number per completion, or a clear error."""
     try:
         scores = fn(prompts, completions)
@@ -1189,7 +1140,8 @@ def demo_warmup(policy, tokenizer, train_pairs, cfg: Config):
     adaptive, not a fixed count. Cached on disk by (model config, vocabulary, seed, warm-up settings)."""
     key = json.dumps([policy.config.to_json_string(), sorted(tokenizer.get_vocab().items()), cfg.seed,
                       cfg.demo_warmup_lr, cfg.demo_warmup_target, cfg.demo_warmup_max_steps, "v3"])
-    path = os.path.join(os.path.expanduser(cfg.demo_cache), f"demo-warmup-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt")
+    name = f"demo-warmup-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
+    path = os.path.join(os.path.expanduser(cfg.demo_cache), name)
     if os.path.exists(path):
         saved = torch.load(path, map_location=policy.device)
         policy.load_state_dict(saved["state_dict"])
@@ -1218,7 +1170,8 @@ def demo_warmup(policy, tokenizer, train_pairs, cfg: Config):
             check = check_rng.sample(range(len(train_pairs)), 256)
             accuracy = evaluate(policy, tokenizer, [all_ids[i] for i in check],
                                    [addition_prompt(*train_pairs[i]) for i in check], cfg, seed=step)
-            print(f"\rwarm-up step {step}: loss {loss.item():.3f}, sampled train accuracy {accuracy:.2f}", end="", flush=True)
+            print(f"\rwarm-up step {step}: loss {loss.item():.3f}, sampled train accuracy {accuracy:.2f}", end="",
+                  flush=True)
             if accuracy >= cfg.demo_warmup_target:
                 break
     print(f"\nwarm-up: {step} steps in {time.time() - t0:.1f} s, sampled train accuracy {accuracy:.2f}")
@@ -1252,7 +1205,8 @@ def flatten_parameters(model):
     instead of one call per tensor. Returns the buffer."""
     params = list(model.parameters())  # each tied weight once
     if len({p.dtype for p in params}) != 1:
-        raise SystemExit(f"the packed weight sync needs one parameter dtype, got {sorted({str(p.dtype) for p in params})}")
+        dtypes = sorted({str(p.dtype) for p in params})
+        raise SystemExit(f"the packed weight sync needs one parameter dtype, got {dtypes}")
     flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
     for p, view in zip(params, flat.split([p.numel() for p in params])):
         view.copy_(p.detach().reshape(-1))
@@ -1355,14 +1309,22 @@ class Producer:
     """make_batch(i) for i = start, ... in a thread at most max_staleness versions ahead, into a bounded queue (or
     inline). The thread's exceptions re-raise in the trainer; close() stops and joins it, also on error or Ctrl-C."""
 
-    def __init__(self, make_batch, sync: WeightSync, tracer: Tracer, max_staleness: int, start: int, n: int, threaded: bool):
-        self.make_batch, self.sync, self.tracer, self.max_staleness = make_batch, sync, tracer, max_staleness
-        self.queue, self.stop, self.next_index = queue.Queue(maxsize=max(1, max_staleness)), threading.Event(), start
-        self.stream = torch.cuda.Stream() if sync.cuda else None  # the sampler's own CUDA stream, which must
-        if self.stream is not None:  # see the sampler's weights that the default stream copied in
+    def __init__(self, make_batch, sync: WeightSync, tracer: Tracer, max_staleness: int, start: int, n: int,
+                 threaded: bool):
+        self.make_batch = make_batch
+        self.sync = sync
+        self.tracer = tracer
+        self.max_staleness = max_staleness
+        self.queue = queue.Queue(maxsize=max(1, max_staleness))
+        self.stop = threading.Event()
+        self.next_index = start
+        # the sampler's own CUDA stream, which must see the sampler's weights that the default stream copied in
+        self.stream = torch.cuda.Stream() if sync.cuda else None
+        if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream())
-        self.thread = threading.Thread(target=self._run, args=(start, n), daemon=True, name="ppo_tokens-sampler") if threaded else None
-        if self.thread is not None:
+        self.thread = None
+        if threaded:
+            self.thread = threading.Thread(target=self._run, args=(start, n), daemon=True, name="ppo_tokens-sampler")
             self.thread.start()
 
     def _produce(self, i: int):
@@ -1497,8 +1459,8 @@ def start_training(cfg: Config, run, output_dir: str, threaded, ctx: Dist) -> Tr
     t.decoder = sampler
     if cfg.static_cache:
         cpu_thread = threaded and sampler.device.type == "cpu"  # the sampler thread runs one intra-op thread
-        t.decoder = fast_decoder(sampler, rank_rows.stop - rank_rows.start, longest, cfg.compile_sampler,
-                                 threads=1 if cpu_thread else 0)
+        t.decoder = fast_decoder(sampler, rank_rows.stop - rank_rows.start, longest, PlainDecoder,
+                                 cfg.compile_sampler, threads=1 if cpu_thread else 0)
     return t
 
 
@@ -1720,7 +1682,9 @@ def full_state(model, optimizer=None):
     shards under FSDP2 (a collective: every rank calls it, rank 0 receives it), without DDP's "module." prefix."""
     from torch.distributed.checkpoint import state_dict as dcp
     options = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return dcp.get_model_state_dict(model, options=options) if optimizer is None else dcp.get_optimizer_state_dict(model, optimizer, options=options)
+    if optimizer is None:
+        return dcp.get_model_state_dict(model, options=options)
+    return dcp.get_optimizer_state_dict(model, optimizer, options=options)
 
 
 def load_full_state(model, state: dict, optimizer=None):  # the inverse; under torchrun rank 0 reads, the others receive
@@ -1747,7 +1711,9 @@ def save_policy(policy, tokenizer, path: str, state_dict: dict):
 
 def checkpoints(run_dir: str):  # the whole checkpoints of a run (renamed into place), oldest first
     root = os.path.join(run_dir, "checkpoints")
-    return [os.path.join(root, n) for n in sorted(os.listdir(root)) if n.startswith("step-")] if os.path.isdir(root) else []
+    if not os.path.isdir(root):
+        return []
+    return [os.path.join(root, n) for n in sorted(os.listdir(root)) if n.startswith("step-")]
 
 
 def find_checkpoint(path: str) -> str:  # --resume PATH: a checkpoint directory, or a run directory's newest one
@@ -1758,7 +1724,8 @@ def find_checkpoint(path: str) -> str:  # --resume PATH: a checkpoint directory,
         return path
     found = checkpoints(path)
     if not found:
-        raise ValueError(f"--resume: no whole checkpoint in {path} (looked for {os.path.join(path, 'checkpoints', 'step-*')})")
+        pattern = os.path.join(path, "checkpoints", "step-*")
+        raise ValueError(f"--resume: no whole checkpoint in {path} (looked for {pattern})")
     return found[-1]
 
 
@@ -1809,15 +1776,15 @@ def fsync_directory(path: str):
 def load_checkpoint(path: str, actor, critic, optimizers, schedules, ctx: Dist = Dist()) -> dict:
     """Load save_checkpoint's files in place (the policy's parameters stay views of the packed buffer; rank 0 reads,
     the others receive) and restore this rank's RNGs. Returns the trainer state with this rank's generator states."""
-    read = lambda name: torch.load(os.path.join(path, name), map_location="cpu") if ctx.rank == 0 else {}
-    policy_state = {}
+    policy_state, critic_state, state = {}, {}, {}
     if ctx.rank == 0:
         from transformers import AutoModelForCausalLM
         saved = AutoModelForCausalLM.from_pretrained(os.path.join(path, "policy"), dtype=torch.float32)
         policy_state = {f"policy.{k}": v for k, v in saved.state_dict().items()}
+        critic_state = torch.load(os.path.join(path, "critic.pt"), map_location="cpu")
+        state = torch.load(os.path.join(path, "trainer_state.pt"), map_location="cpu")
     load_full_state(actor, policy_state)
-    load_full_state(critic, read("critic.pt"))
-    state = read("trainer_state.pt")
+    load_full_state(critic, critic_state)
     for model, optimizer, saved in zip((actor, critic), optimizers, state.get("optimizers", [{}, {}])):
         load_full_state(model, saved, optimizer)
     if torch.distributed.is_initialized():
@@ -1869,7 +1836,8 @@ def nonfinite(batch: Rollout):  # what in a scored batch is NaN or inf, and in w
 
 def format_line(r: dict, steps: int) -> str:
     acc = f" | acc {r['eval_accuracy']:.3f}" if "eval_accuracy" in r else ""
-    return (f"it {r['step']:>4}/{steps} | reward {r['reward_mean']:.3f}{acc} | kl {r['kl']:.4f} | ent {r['entropy']:.3f}"
+    return (f"it {r['step']:>4}/{steps} | reward {r['reward_mean']:.3f}{acc} | kl {r['kl']:.4f}"
+            f" | ent {r['entropy']:.3f}"
             f" | clip {r['clipfrac']:.3f} | vloss {r['vf_loss']:.4f} | ev {r['explained_variance']:.2f}"
             f" | len {r['response_length']:.1f} | gen {r['gen_tokens_per_s']:.0f} tok/s"
             f" | train {r['train_tokens_per_s']:.0f} tok/s | idle {r['trainer_idle_frac']:.0%} | {r['iter_s']:.2f}s")
@@ -1926,13 +1894,15 @@ def reduce_record(record: dict, world: int) -> dict:  # the logged scalars over 
 
 
 def summarize(history, first_accuracy, output_dir: str):
-    tenth, accuracies = max(1, len(history) // 10), [r["eval_accuracy"] for r in history if "eval_accuracy" in r]
-    mean = lambda rs: sum(r["reward_mean"] for r in rs) / max(1, len(rs))
+    tenth = max(1, len(history) // 10)
+    first, last = (sum(r["reward_mean"] for r in rs) / max(1, len(rs)) for rs in (history[:tenth], history[-tenth:]))
+    accuracies = [r["eval_accuracy"] for r in history if "eval_accuracy" in r]
     print(f"\ndone: {len(history)} iterations in {history[-1]['time_s'] if history else 0:.0f} s; reward mean "
-          f"{mean(history[:tenth]):.3f} (first tenth) -> {mean(history[-tenth:]):.3f} (last tenth)")
+          f"{first:.3f} (first tenth) -> {last:.3f} (last tenth)")
     if first_accuracy is not None and accuracies:
         print(f"held-out sampled accuracy: {first_accuracy:.3f} before PPO -> {accuracies[-1]:.3f} after")
-    print(f"policy saved to {os.path.join(output_dir, 'policy')}; metrics in {os.path.join(output_dir, 'metrics.jsonl')}")
+    print(f"policy saved to {os.path.join(output_dir, 'policy')}; metrics in "
+          f"{os.path.join(output_dir, 'metrics.jsonl')}")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1973,21 +1943,24 @@ def bench_overlap(cfg: Config, output_dir: str):
     tokens/s (and its ratio to staleness 0), trainer idle fraction, and the reward reached by the same wall time."""
     results = {}
     for staleness in (0, 1, 2):
-        c = dataclasses.replace(cfg, max_staleness=staleness, output_dir=os.path.join(output_dir, f"staleness{staleness}"),
-                                bench_overlap=False, sample_every=0)
+        c = dataclasses.replace(cfg, max_staleness=staleness, bench_overlap=False, sample_every=0,
+                                output_dir=os.path.join(output_dir, f"staleness{staleness}"))
         os.makedirs(c.output_dir, exist_ok=True)
         run = setup(c)
         run.eval_ids = None  # no evaluations inside the timed runs
         results[staleness] = train(c, run, c.output_dir)
     common = min(h[-1]["time_s"] for h in results.values())  # the wall time every run reached
     base = sum(r["response_tokens"] for r in results[0]) / results[0][-1]["time_s"]
-    print(f"\n{'staleness':>9} | {'tokens/s':>9} | {'vs 0':>5} | {'trainer idle':>12} | {'sync ms':>7} | reward at {common:.0f} s")
+    print(f"\n{'staleness':>9} | {'tokens/s':>9} | {'vs 0':>5} | {'trainer idle':>12} | {'sync ms':>7} | "
+          f"reward at {common:.0f} s")
     for staleness, h in results.items():
         tokens_per_s = sum(r["response_tokens"] for r in h) / h[-1]["time_s"]
         idle = sum(r["trainer_idle_frac"] * r["iter_s"] for r in h) / sum(r["iter_s"] for r in h)
         reached = [r for r in h if r["time_s"] <= common][-5:]
+        sync_ms = sum(r["weight_sync_ms"] for r in h) / len(h)
+        reward = sum(r["reward_mean"] for r in reached) / len(reached)
         print(f"{staleness:>9} | {tokens_per_s:>9.0f} | {tokens_per_s / base:>4.2f}x | {idle:>12.2f} | "
-              f"{sum(r['weight_sync_ms'] for r in h) / len(h):>7.2f} | {sum(r['reward_mean'] for r in reached) / len(reached):.3f}")
+              f"{sync_ms:>7.2f} | {reward:.3f}")
 
 
 def bench_rollout(cfg: Config):
@@ -1999,27 +1972,38 @@ def bench_rollout(cfg: Config):
     (same token capacity, or --micro-batch-tokens)."""
     cfg = dataclasses.replace(cfg, demo_warmup_max_steps=0)  # speed does not depend on the weights
     run = setup(cfg)  # (which may turn --full-logits on)
-    policy, tokenizer, device, B, T = run.policy, run.tokenizer, run.policy.device, cfg.batch_size, cfg.response_length
-    sampler = cast_parameters(copy.deepcopy(policy), torch.bfloat16 if device.type == "cuda" else policy.dtype).requires_grad_(False)
+    ratio = bench_sampling(cfg, run)
+    bench_update(cfg, run)
+    print(f"sampler vs generate: {ratio:.2f}x")
+
+
+def bench_sampling(cfg: Config, run) -> float:  # part (1) of --bench-rollout; returns our sampler's speed-up
+    policy, tokenizer, device = run.policy, run.tokenizer, run.policy.device
+    B, T = cfg.batch_size, cfg.response_length
+    sampler_dtype = torch.bfloat16 if device.type == "cuda" else policy.dtype  # as train() makes the sampler copy
+    sampler = cast_parameters(copy.deepcopy(policy), sampler_dtype).requires_grad_(False)
     ids, mask = left_pad([run.prompt_ids[i % len(run.prompt_ids)] for i in range(B)], tokenizer.pad_token_id, device)
     max_len = max(map(len, run.prompt_ids)) + T  # the decoders are sized as train() sizes them
-    eager = fast_decoder(sampler, B, max_len)
+    eager = fast_decoder(sampler, B, max_len, PlainDecoder)
     decoders = {type(eager).__name__: eager}
-    compiled = fast_decoder(sampler, B, max_len, compiled=True) if cfg.compile_sampler and isinstance(eager, StaticDecoder) else None
-    if compiled is not None and compiled.decode is not sampler:  # (unless it fell back)
-        decoders["compiled"] = compiled
+    if cfg.compile_sampler and isinstance(eager, StaticDecoder):
+        compiled = fast_decoder(sampler, B, max_len, PlainDecoder, compiled=True)
+        if compiled.decode is not sampler:  # (unless it fell back)
+            decoders["compiled"] = compiled
     name, decoder = list(decoders.items())[-1]  # what train() samples with
-    ours = lambda d: generate(d, ids, mask, **{**sampling_args(cfg, run), "stop_ids": []},
-                              generator=torch.Generator(device).manual_seed(0))
+    args = dict(sampling_args(cfg, run), stop_ids=[])  # every row generates --response-length tokens
+    hf = functools.partial(sampler.generate, input_ids=ids, attention_mask=mask, do_sample=True, top_k=0, top_p=1.0,
+                           temperature=cfg.temperature, max_new_tokens=T, min_new_tokens=T,
+                           pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    runs = {"HF generate": hf, "plain loop": functools.partial(bench_generate, sampler, ids, mask, args)}
+    runs.update({n: functools.partial(bench_generate, d, ids, mask, args) for n, d in decoders.items()})
+    runs["prefill"] = functools.partial(decoder.start, ids, mask, positions(mask))
     with torch.no_grad():
-        hf = lambda: sampler.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=cfg.temperature,
-                                      top_k=0, top_p=1.0, max_new_tokens=T, min_new_tokens=T,
-                                      pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-        seconds = timed({"HF generate": hf, "plain loop": lambda: ours(sampler),
-                         **{n: lambda d=d: ours(d) for n, d in decoders.items()}, "prefill": lambda: decoder.start(ids, mask, positions(mask))}, device)
-        prefill = seconds.pop("prefill")
-    print(f"\nsampling {B} x {T} tokens after {ids.shape[1]}-token prompts, {sum(p.numel() for p in sampler.parameters()) / 1e6:.1f}M "
-          f"parameters in {sampler.dtype} on {device}:")
+        seconds = timed(runs, device)
+    prefill = seconds.pop("prefill")
+    n_params = sum(p.numel() for p in sampler.parameters())
+    print(f"\nsampling {B} x {T} tokens after {ids.shape[1]}-token prompts, {n_params / 1e6:.1f}M parameters in "
+          f"{sampler.dtype} on {device}:")
     for row, s in seconds.items():
         print(f"  {row:<14} {s * 1e3:9.1f} ms  {B * T / s:9.0f} tokens/s  {seconds['HF generate'] / s:5.2f}x")
     if device.type == "cuda":  # the decode step cannot beat reading every weight once
@@ -2028,8 +2012,17 @@ def bench_rollout(cfg: Config):
         copy_s = timed({"copy": flat.clone}, device)["copy"]
         bound = copy_s / 2  # reading the weights once: a copy of them reads and writes each byte
         step = (seconds[name] - prefill) / max(1, T - 1)
-        print(f"  decode + sampling step {step * 1e3:.3f} ms vs weights-read bound {bound * 1e3:.3f} ms: {step / bound:.2f}x the bound")
-    # (2) packed vs padded training on a 4:1 spread of sequence lengths
+        print(f"  decode + sampling step {step * 1e3:.3f} ms vs weights-read bound {bound * 1e3:.3f} ms: "
+              f"{step / bound:.2f}x the bound")
+    return seconds["HF generate"] / seconds[name]
+
+
+def bench_generate(decoder, ids, mask, args: dict):  # one timed sampling run, from a fresh generator each time
+    return generate(decoder, ids, mask, **args, generator=torch.Generator(ids.device).manual_seed(0))
+
+
+def bench_update(cfg: Config, run):  # part (2) of --bench-rollout: packed vs padded training, lengths spread 4:1
+    policy, tokenizer, device, B = run.policy, run.tokenizer, run.policy.device, cfg.batch_size
     L = min(getattr(policy.config, "max_position_embeddings", 256), 256 if device.type == "cuda" else 64)
     g = torch.Generator().manual_seed(cfg.seed)
     totals = torch.randint(L // 4, L + 1, (B,), generator=g)
@@ -2038,12 +2031,14 @@ def bench_rollout(cfg: Config):
     ids, mask = left_pad(prompts, tokenizer.pad_token_id, device)
     Tmax = int(response_lengths.max())
     response_mask = (torch.arange(Tmax)[None] < response_lengths[:, None]).long().to(device)
-    response = torch.randint(3, len(tokenizer), (B, Tmax), generator=g).to(device).masked_fill(response_mask == 0, tokenizer.pad_token_id)
+    response = torch.randint(3, len(tokenizer), (B, Tmax), generator=g).to(device)
+    response = response.masked_fill(response_mask == 0, tokenizer.pad_token_id)
     rows = cfg.micro_batch_size or max(1, B // cfg.minibatches // 4)
     budget = cfg.micro_batch_tokens or rows * (ids.shape[1] + Tmax)  # the padded micro-batch's token capacity
-    orders, updates = [torch.randperm(B, generator=g) for _ in range(cfg.ppo_epochs)], {}
+    orders = [torch.randperm(B, generator=g) for _ in range(cfg.ppo_epochs)]
+    updates = {}
     for layout, c in (("padded", dataclasses.replace(cfg, micro_batch_size=rows, micro_batch_tokens=0)),
-                    ("packed", dataclasses.replace(cfg, micro_batch_size=0, micro_batch_tokens=budget))):
+                      ("packed", dataclasses.replace(cfg, micro_batch_size=0, micro_batch_tokens=budget))):
         actor, reference = copy.deepcopy(policy), copy.deepcopy(run.reference)
         if layout == "packed":
             use_packed_attention(backbone_of(actor), cfg.bf16)
@@ -2052,20 +2047,23 @@ def bench_rollout(cfg: Config):
         for model in (actor, critic) if cfg.gradient_checkpointing else ():
             checkpoint_layers(model)
         actor = Actor(actor, c.temperature, c.full_logits, run.vocab)  # as train() scores
-        batch = Rollout(ids, mask, response, response_mask, torch.zeros(B, Tmax, device=device), torch.zeros_like(response),
-                        torch.ones(B, dtype=torch.bool, device=device))
-        score_frozen(batch, reference, lambda b: torch.ones(B, device=device), c)
+        batch = Rollout(ids, mask, response, response_mask, torch.zeros(B, Tmax, device=device),
+                        torch.zeros_like(response), torch.ones(B, dtype=torch.bool, device=device))
+        score_frozen(batch, reference, constant_scores, c)
         score_trainer(batch, actor, critic, c, orders[0])
         optimizers = make_optimizers(c, actor, critic)[:2]
         updates[layout] = functools.partial(ppo_update, actor, critic, *optimizers, batch, c, orders)
     results = timed(updates, device, reps=3)
     real = int(mask.sum() + response_mask.sum())
-    print(f"PPO update ({cfg.ppo_epochs} epochs x {cfg.minibatches} minibatches) on {B} sequences of {L // 4}..{L} tokens "
-          f"({1 - real / (B * (ids.shape[1] + Tmax)):.0%} of the padded layout is padding), {rows} rows or {budget} "
-          "tokens per micro-batch:")
+    print(f"PPO update ({cfg.ppo_epochs} epochs x {cfg.minibatches} minibatches) on {B} sequences of {L // 4}..{L} "
+          f"tokens ({1 - real / (B * (ids.shape[1] + Tmax)):.0%} of the padded layout is padding), {rows} rows or "
+          f"{budget} tokens per micro-batch:")
     for layout, s in results.items():
         print(f"  {layout:<7} {s * 1e3:9.1f} ms  {results['padded'] / s:5.2f}x")
-    print(f"sampler vs generate: {seconds['HF generate'] / seconds[name]:.2f}x")
+
+
+def constant_scores(batch: Rollout):  # a reward of 1 for every completion (the benchmark's)
+    return torch.ones(batch.response.shape[0], device=batch.response.device)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -2078,7 +2076,8 @@ RUN_ONLY = ("resume", "output_dir", "save_every", "keep_checkpoints", "max_bad_s
 
 
 def parse_config(argv=None) -> Config:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for f in dataclasses.fields(Config):
         kind = {"action": argparse.BooleanOptionalAction} if type(f.default) is bool else {"type": type(f.default)}
         bare = {"nargs": "?", "const": "latest"} if f.name == "resume" else {}  # bare --resume: --output-dir's newest
@@ -2114,7 +2113,8 @@ def check_config(cfg: Config):
     checks = [(cfg.max_staleness >= 0, f"--max-staleness must be >= 0 (got {cfg.max_staleness}); 0 is synchronous PPO"),
               (cfg.is_mode in ("truncate", "mask") and cfg.is_cap >= 1,
                f"--is-mode must be truncate or mask and --is-cap >= 1 (got {cfg.is_mode!r}, {cfg.is_cap})"),
-              (cfg.temperature > 0, f"--temperature must be > 0 (got {cfg.temperature}); for near-greedy use e.g. 0.05"),
+              (cfg.temperature > 0,
+               f"--temperature must be > 0 (got {cfg.temperature}); for near-greedy use e.g. 0.05"),
               (cfg.kl_estimator in ("k1", "k3"), f"--kl-estimator must be k1 or k3 (got {cfg.kl_estimator!r})"),
               (cfg.dtype in ("float32", "bfloat16"), f"--dtype must be float32 or bfloat16 (got {cfg.dtype!r})"),
               (not (cfg.reward and cfg.reward_model), "give either --reward or --reward-model, not both"),
@@ -2122,13 +2122,18 @@ def check_config(cfg: Config):
                "--model/--prompts need a reward: pass --reward module:function or --reward-model DIR"),
               (not cfg.model or cfg.prompts, "--model needs --prompts FILE.jsonl (the demo prompts fit the demo only)"),
               (0 < cfg.top_p <= 1 and cfg.top_k >= 0, "--top-p must be in (0, 1] and --top-k >= 0"),
-              (cfg.long_prompts in ("truncate", "refuse"), f"--long-prompts must be truncate or refuse (got {cfg.long_prompts!r})"),
+              (cfg.long_prompts in ("truncate", "refuse"),
+               f"--long-prompts must be truncate or refuse (got {cfg.long_prompts!r})"),
               (not cfg.prompts or os.path.isfile(cfg.prompts), f"--prompts {cfg.prompts}: no such file"),
-              (not cfg.reward_model or os.path.isdir(cfg.reward_model), f"--reward-model {cfg.reward_model}: no such directory"),
+              (not cfg.reward_model or os.path.isdir(cfg.reward_model),
+               f"--reward-model {cfg.reward_model}: no such directory"),
               (cfg.save_every >= 0, f"--save-every must be >= 0 (got {cfg.save_every})"),
               (cfg.micro_batch_tokens >= 0 and not (cfg.micro_batch_tokens and cfg.micro_batch_size),
-               "give --micro-batch-size (rows) or --micro-batch-tokens (a token budget), not both; neither is negative"),
-              (cfg.static_cache or not cfg.compile_sampler, "--compile-sampler needs the static cache: drop --no-static-cache"),
+               "give --micro-batch-size (rows) or --micro-batch-tokens (a token budget), not both; neither is "
+               "negative"),
+              (cfg.static_cache or not cfg.compile_sampler,
+               "--compile-sampler needs the static cache: drop --no-static-cache"),
+
               (not (cfg.bench_overlap or cfg.bench_rollout) or world == 1,
                "--bench-overlap and --bench-rollout run in one process; start them with python, not torchrun"),
               (not demo or 1 <= cfg.eval_size <= 5000, f"--eval-size must be in 1..5000 (got {cfg.eval_size})"),

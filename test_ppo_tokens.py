@@ -936,7 +936,7 @@ def test_sampler_errors_and_sigterm_stop_the_run_without_a_hung_thread(tmp_path,
     out, _ = proc.communicate(timeout=60)
     assert time.time() - t0 < 20 and proc.returncode == 0, out[-2000:]  # stopped, promptly, with a checkpoint
     (checkpoint,) = pt.checkpoints(tmp_path / "run2")
-    assert f"stopped by SIGTERM after iteration" in out and f"--resume {checkpoint}" in out
+    assert "stopped by SIGTERM after iteration" in out and f"--resume {checkpoint}" in out
     state = load_into_fresh_models(checkpoint)
     assert state["step"] >= 2 and not any(t.name == "ppo_tokens-sampler" for t in threading.enumerate())
 
@@ -1006,7 +1006,8 @@ def test_fast_sampler_gives_the_plain_loops_tokens_and_logprobs(tokenizer, famil
     texts = ["1+2=", "37+45=", "9+90=", "5+5=", "123+4=", "0+0="]  # ragged prompts: left padding in every batch
     ids, mask = pt.left_pad(pt.format_prompts(tokenizer, texts, False, 64), tokenizer.pad_token_id, "cpu")
     # compiled: for the sampler thread's one intra-op thread, as train() compiles it for a threaded CPU run
-    decoder = pt.fast_decoder(policy, len(texts), ids.shape[1] + 12, compiled=compiled, threads=1 if compiled else 0)
+    decoder = pt.fast_decoder(policy, len(texts), ids.shape[1] + 12, pt.PlainDecoder, compiled=compiled,
+                              threads=1 if compiled else 0)
     out = capsys.readouterr().out
     assert type(decoder) is (pt.PlainDecoder if family == "sliding" else pt.StaticDecoder)
     assert ("fast sampler off for MistralForCausalLM (sliding-window layers" in out) == (family == "sliding")
@@ -1076,7 +1077,7 @@ def test_flash_attn_is_imported_to_detect_it_and_packing_is_checked_under_autoca
             pt.use_packed_attention(policy.model, bf16=True)
     finally:
         monkeypatch.undo()
-        pt.use_ppo_attention(policy.model)  # the real one registered again, for the other tests
+        kernels.use_ppo_attention(policy.model)  # the real one registered again, for the other tests
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1735,7 +1736,7 @@ def test_cuda_fast_sampler_replays_a_captured_graph_with_the_plain_loops_tokens(
     policy = pt.cast_parameters(tiny_llama(len(tokenizer), seed=2, dtype=torch.float32).cuda(), dtype)  # GQA: 4 / 2
     texts = ["1+2=", "37+45=", "9+90=", "5+5=", "123+4=", "0+0="]
     ids, mask = pt.left_pad(pt.format_prompts(tokenizer, texts, False, 64), tokenizer.pad_token_id, "cuda")
-    decoder = pt.fast_decoder(policy, len(texts), ids.shape[1] + 12)
+    decoder = pt.fast_decoder(policy, len(texts), ids.shape[1] + 12, pt.PlainDecoder)
     assert isinstance(decoder, pt.StaticDecoder) and decoder.graph is not None and decoder.grouped
     sample = lambda sampler: pt.generate(sampler, ids, mask, max_new_tokens=10, temperature=0.9,
                                          stop_ids=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
@@ -1744,7 +1745,7 @@ def test_cuda_fast_sampler_replays_a_captured_graph_with_the_plain_loops_tokens(
     graph, decoder.graph = decoder.graph, None
     eager = sample(decoder)  # the same decoder without its graph
     decoder.graph = graph
-    pt.agrees_with_plain_loop(decoder, policy, len(texts))  # the replayed graph, after two batches, still agrees
+    kernels.agrees_with_plain_loop(decoder, policy, len(texts), pt.PlainDecoder)  # the replayed graph, after two batches, still agrees
     if dtype == torch.float32:  # fp32: the same tokens as the plain DynamicCache loop (bf16 could flip a near-tie)
         plain = sample(policy)
         for batch in (replayed, again, eager):
