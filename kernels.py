@@ -507,9 +507,9 @@ def token_logprobs(logits, tokens, temperature=1.0, *, mask=None, ref_logprobs=N
       logprobs and entropy are of the distribution renormalised over that set (softmax over z[kept] / T only), so a
       PPO ratio compares the same distributions the sampler drew from. Ids in a row must be distinct, and each real
       row needs at least one (a row without any finite logit gives NaN). If the sampled token is not in its row's
-      set, its logprob is -inf (and k1 / k3 are NaN or inf). Cost: Triton reads O(K) gathered logits per row instead of O(V)
-      (random 2-byte reads, so ~K 32-byte sectors per row) and its backward zero-fills the gradient then writes K
-      values per row; the torch path gathers (N, K).
+      set, its logprob is -inf (and k1 / k3 are NaN or inf). Cost: Triton reads O(K) gathered logits per row
+      instead of O(V) (random 2-byte reads, so ~K 32-byte sectors per row) and its backward zero-fills the gradient
+      then writes K values per row; the torch path gathers (N, K).
     All three outputs are differentiable w.r.t. logits; tokens, mask, kept_ids and ref_logprobs are constants.
     backend: "auto" (Triton when logits.is_cuda and triton imports, else torch; float64 always torch), "triton",
       "torch".
@@ -1084,6 +1084,22 @@ def _bench_one(fn, make_input, device, reps, with_backward):
         return f"fail: {type(e).__name__}", "-"
 
 
+def _format(value, spec: str) -> str:  # a number in spec, or a method's "n/a" reason as it is
+    return format(value, spec) if isinstance(value, float) else str(value)
+
+
+def _bench_inputs(logits, tokens, with_grad: bool):  # a timed call's inputs: logits as a fresh leaf for a backward
+    return (logits.detach().requires_grad_() if with_grad else logits), tokens
+
+
+def _copy_of(x):  # the bandwidth baseline: read x once, write a copy once
+    return torch.empty_like(x).copy_(x)
+
+
+def _fresh_leaves(*tensors):  # inputs of one timed forward + backward: new leaves that require grad
+    return tuple(t.detach().requires_grad_() for t in tensors)
+
+
 def _bench(args):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     reps = 5 if device == "cuda" else 3
@@ -1105,12 +1121,11 @@ def _bench(args):
     head = f"{'tokens x vocab dtype':>22} | {'method':<36} | {'fwd ms':>9} {'MB':>8} {'GB/s':>12} | " \
            f"{'fwd+bwd ms':>10} {'MB':>8} {'GB/s':>12}"
     print(head + "\n" + "-" * len(head))
-    fmt = lambda v, spec: format(v, spec) if isinstance(v, float) else str(v)  # noqa: E731
     for n, v, dt in shapes:
         logits = torch.randn(n, v, device=device, dtype=dtypes[dt]).mul_(2)  # no fp32 temporary (40 GB at the top)
         tokens = torch.randint(0, v, (n,), device=device)
         nbytes = logits.numel() * logits.element_size()
-        copy_ms = _time_ms(lambda: torch.empty_like(logits).copy_(logits), device, reps)
+        copy_ms = _time_ms(functools.partial(_copy_of, logits), device, reps)
         copy_gbs = 2 * nbytes / copy_ms / 1e6
         print(f"{f'{n} x {v} {dt}':>22} | {'copy (empty_like + copy_)':<36} | {copy_ms:9.3f} {'':>8} "
               f"{(f'{copy_gbs:.0f}' if device == 'cuda' else '-'):>12} |")
@@ -1120,12 +1135,11 @@ def _bench(args):
                 continue
             row = []
             for with_backward, traffic in ((False, nbytes), (True, 3 * nbytes)):
-                make = (lambda: (logits.detach().requires_grad_(), tokens)) if with_backward else \
-                    (lambda: (logits, tokens))
+                make = functools.partial(_bench_inputs, logits, tokens, with_backward)
                 ms, mb = _bench_one(fn, make, device, reps, with_backward)
                 gbs = f"{traffic / ms / 1e6:.0f} ({100 * traffic / ms / 1e6 / copy_gbs:.0f}%)" \
                     if isinstance(ms, float) and device == "cuda" else "-"
-                row += [fmt(ms, "9.3f"), fmt(mb, "8.1f"), gbs]
+                row += [_format(ms, "9.3f"), _format(mb, "8.1f"), gbs]
             print(f"{'':>22} | {name:<36} | {row[0]:>9} {row[1]:>8} {row[2]:>12} | {row[3]:>10} {row[4]:>8} "
                   f"{row[5]:>12}")
         del logits
@@ -1157,7 +1171,7 @@ def _bench_linear(device, reps):
         hidden = torch.randn(n, h, device=device, dtype=dtype)
         weight = torch.randn(v, h, device=device, dtype=dtype) / h**0.5
         tokens = torch.randint(0, v, (n,), device=device)
-        make = lambda: (hidden.detach().requires_grad_(), weight.detach().requires_grad_())  # noqa: E731
+        make = functools.partial(_fresh_leaves, hidden, weight)
         res = {}
         for name, fn in (("eager", lambda hd, w: _eager_logprobs(hd @ w.T, tokens)),
                          ("linear_token_logprobs", lambda hd, w: linear_token_logprobs(hd, w, tokens))):

@@ -28,7 +28,10 @@ Run it:
     python ppo_tokens.py --bench-rollout                    # our sampler vs HF generate; packed vs padded updates
     python ppo_tokens.py --help                             # every flag with its comment
 The numbers quoted in README.md come from the commands listed there, on the machines named there.
+Reading order: Config (the flags), then THE ALGORITHM (rollout -> scoring -> advantages -> losses -> update -> the
+loop, train()), then the PLUMBING it calls.
 """
+
 import argparse, collections, contextlib, copy, dataclasses, functools, gc, hashlib, importlib, itertools, json, math
 import os, queue, random, shutil, signal, sys, threading, time
 from dataclasses import dataclass, field
@@ -174,7 +177,9 @@ class Rollout:
     kept_ids: torch.Tensor = None  # (B, T, K) ids top-k/top-p kept at each step, -1 padded; None without truncation
     prompts: list = None  # B prompt strings as the reward sees them
     completions: list = None  # B completion strings, decoded up to (not including) EOS
-    old_logprobs: torch.Tensor = None  # (B, T) recomputed by the trainer's policy before the update
+    # (B, T) recomputed by the trainer's policy before the update: PPO's "old" policy, which decoupled PPO calls the
+    # proximal one; it differs from the behaviour policy (behav_logprobs) when the sampler's weights were older
+    old_logprobs: torch.Tensor = None
     ref_logprobs: torch.Tensor = None  # (B, T) under the frozen reference
     values: torch.Tensor = None  # (B, T) critic's value of the state before each token
     raw_scores: torch.Tensor = None  # (B,) sequence score of the reward model / function
@@ -376,28 +381,6 @@ def critic_values(critic, batch: Rollout, inputs=None):  # (B, T): V(state befor
         return torch.zeros_like(mask, dtype=values.dtype).masked_scatter(mask, values)
     values = critic(*inputs)[:, batch.prompt_ids.shape[1] - 1:-1]
     return torch.where(mask, values, 0.0)
-
-
-def micro_batch_rows(batch: Rollout, minibatches, cfg: Config, ranks_agree=False):
-    """Each minibatch's rows split into micro-batches: --micro-batch-size rows each, or with --micro-batch-tokens the
-    token_budget_bins of its rows. ranks_agree: as many micro-batches per minibatch on every rank (one collective)."""
-    if not cfg.micro_batch_tokens:
-        return [list(rows.split(cfg.micro_batch_size or len(rows))) for rows in minibatches]
-    lengths = (batch.prompt_mask.sum(1) + batch.response_mask.sum(1)).tolist()
-    groups = [token_budget_bins([lengths[r] for r in rows.tolist()], cfg.micro_batch_tokens) for rows in minibatches]
-    counts = torch.tensor([len(g) for g in groups], device=batch.response.device)
-    counts = all_reduce(counts, "max").tolist() if ranks_agree else counts.tolist()
-    groups = [token_budget_bins([lengths[r] for r in rows.tolist()], cfg.micro_batch_tokens, n) if n > len(g) else g
-              for rows, g, n in zip(minibatches, groups, counts)]
-    return [[rows[torch.tensor(g, device=rows.device)] for g in gs] for rows, gs in zip(minibatches, groups)]
-
-
-def micro_batches(batch: Rollout, cfg: Config, row_order=None, ranks_agree=False):  # (rows, sub-batch) pairs
-    B = batch.response.shape[0]
-    row_order = torch.arange(B) if row_order is None else row_order
-    minibatches = row_order.to(batch.response.device).split(B // cfg.minibatches)
-    for rows in itertools.chain(*micro_batch_rows(batch, minibatches, cfg, ranks_agree)):
-        yield rows, batch.rows(rows)
 
 
 @torch.no_grad()
@@ -664,7 +647,8 @@ def train(cfg: Config, run, output_dir: str, threaded=None, ctx: Dist = Dist()):
                 for schedule in t.schedules:
                     schedule.step()
                 update_s = time.time() - update_start
-            # 4. the new weights become version `step`; the sampler pulls them before its next batch
+            # 4. the new weights become version `step` in a staging buffer; the sampler copies them into its own
+            # weights (WeightSync.pull, called by make_batch) before its next batch
             with t.tracer.span("publish weights", "trainer"):
                 t.sync.publish(step)
                 sync_ms = t.sync.sync_ms()
@@ -1215,9 +1199,10 @@ def flatten_parameters(model):
 
 
 class WeightSync:
-    """Trainer -> sampler weights through packed buffers: publish() casts the trainer's flat fp32 weights into a staging
-    buffer (one copy, trainer's stream; sharded/FSDP2: each shard all-gathered into its slice, never a full fp32
-    copy), pull() copies staging into the sampler's flat weights (one copy, sampler's stream) at its safe points.
+    """Trainer -> sampler weights through packed buffers: publish() copies the trainer's flat fp32 weights into a
+    staging buffer of the sampler's dtype (the copy casts them; one copy, trainer's stream; sharded/FSDP2: each shard
+    all-gathered into its slice, never a full fp32 copy), pull() copies staging into the sampler's flat weights (one
+    copy, sampler's stream) at its safe points.
     CUDA events order the copies on the two streams; the lock covers one copy (~1 ms), never a decode or an update.
     Staging lets the trainer keep updating while the sampler still generates with the previous version."""
 
@@ -1261,6 +1246,8 @@ class WeightSync:
     def pull(self) -> int:  # sampler thread, between batches (or decode steps): take the newest version
         with self.lock:
             if self.version != self.sampler_version:
+                # sampler_flat is the storage of every sampler parameter (flatten_parameters): this one copy
+                # updates the sampler model
                 self._copy("pull", self.sampler_flat, self.staging, after="publish")
                 self.sampler_version = self.version
             return self.sampler_version
@@ -1371,6 +1358,32 @@ class Producer:
             self.thread.join(timeout=30)
             if self.thread.is_alive():
                 print("warning: the sampler thread did not stop within 30 s")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# micro-batches: the rows of each forward and backward (scoring and the update)
+
+
+def micro_batch_rows(batch: Rollout, minibatches, cfg: Config, ranks_agree=False):
+    """Each minibatch's rows split into micro-batches: --micro-batch-size rows each, or with --micro-batch-tokens the
+    token_budget_bins of its rows. ranks_agree: as many micro-batches per minibatch on every rank (one collective)."""
+    if not cfg.micro_batch_tokens:
+        return [list(rows.split(cfg.micro_batch_size or len(rows))) for rows in minibatches]
+    lengths = (batch.prompt_mask.sum(1) + batch.response_mask.sum(1)).tolist()
+    groups = [token_budget_bins([lengths[r] for r in rows.tolist()], cfg.micro_batch_tokens) for rows in minibatches]
+    counts = torch.tensor([len(g) for g in groups], device=batch.response.device)
+    counts = all_reduce(counts, "max").tolist() if ranks_agree else counts.tolist()
+    groups = [token_budget_bins([lengths[r] for r in rows.tolist()], cfg.micro_batch_tokens, n) if n > len(g) else g
+              for rows, g, n in zip(minibatches, groups, counts)]
+    return [[rows[torch.tensor(g, device=rows.device)] for g in gs] for rows, gs in zip(minibatches, groups)]
+
+
+def micro_batches(batch: Rollout, cfg: Config, row_order=None, ranks_agree=False):  # (rows, sub-batch) pairs
+    B = batch.response.shape[0]
+    row_order = torch.arange(B) if row_order is None else row_order
+    minibatches = row_order.to(batch.response.device).split(B // cfg.minibatches)
+    for rows in itertools.chain(*micro_batch_rows(batch, minibatches, cfg, ranks_agree)):
+        yield rows, batch.rows(rows)
 
 
 # ----------------------------------------------------------------------------------------------------------------
