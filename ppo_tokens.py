@@ -228,10 +228,13 @@ class PlainDecoder:
     that transformers turns into a 4D one at every call. Works for every causal LM that setup() accepts."""
 
     def __init__(self, model):
-        self.model, (self.cache_kwarg, self.keep) = model, decoder_kwargs(model)
+        self.model = model
+        self.cache_kwarg, self.keep = decoder_kwargs(model)
 
     def start(self, prompt_ids, prompt_mask, position_ids):  # (B, P) each -> (B, V) logits of the first response token
-        self.mask, self.position, self.cache = prompt_mask, position_ids[:, -1:], {"use_cache": True}
+        self.mask = prompt_mask  # (B, L): grows by one column per step
+        self.position = position_ids[:, -1:]
+        self.cache = {"use_cache": True}
         return self._forward(prompt_ids, position_ids)
 
     def step(self, token):  # token (B,) -> (B, V) logits of the next one
@@ -434,7 +437,8 @@ def gae(rewards, values, response_mask, gamma: float, lam: float):
         delta_t = r_t + gamma * V_{t+1} - V_t,   A_t = delta_t + gamma * lam * A_{t+1},   returns_t = A_t + V_t,
     with V and A zero after the last real token (the episode ends there). Returns (advantages, returns), (B, T)."""
     mask = response_mask.bool()
-    T, rewards = rewards.shape[1], torch.where(mask, rewards, 0.0)
+    T = rewards.shape[1]
+    rewards = torch.where(mask, rewards, 0.0)
     values = torch.cat([torch.where(mask, values, 0.0), torch.zeros_like(values[:, :1])], 1)  # (B, T+1): V_T = 0
     advantages, last_gae = torch.zeros_like(rewards), torch.zeros_like(rewards[:, 0])
     for t in reversed(range(T)):
@@ -558,15 +562,18 @@ def ppo_update(policy, critic, policy_opt, critic_opt, batch: Rollout, cfg: Conf
     averages gradients), so accumulation gives one big batch's token mean; gradients sync on the last micro-step.
     A NaN/inf loss or grad norm skips that step and the rest (earlier steps stand): returns {"nonfinite": where}."""
     minibatch_size = batch.response.shape[0] // cfg.minibatches
-    sums, n_steps, first_ratio_max_dev = {}, 0, torch.zeros(())
+    sums = {}  # each logged statistic, summed over the optimizer steps
+    n_steps = 0
+    first_ratio_max_dev = torch.zeros(())
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     minibatches = [rows for order in row_orders[:cfg.ppo_epochs]
                    for rows in order.to(batch.response.device).split(minibatch_size)]  # epoch by epoch
     # (one collective; a minibatch without a token on any rank divides by 1, not 0)
     tokens = all_reduce(torch.stack([batch.loss_mask[rows].sum() for rows in minibatches])).clamp(min=1) / world
-    device, all_micro_rows = batch.response.device, micro_batch_rows(batch, minibatches, cfg, ranks_agree=True)
-    for i, micro_rows in enumerate(all_micro_rows):
-        epoch, minibatch, mb_tokens = i // cfg.minibatches, i % cfg.minibatches, tokens[i]
+    device = batch.response.device
+    for i, micro_rows in enumerate(micro_batch_rows(batch, minibatches, cfg, ranks_agree=True)):
+        epoch, minibatch = divmod(i, cfg.minibatches)
+        mb_tokens = tokens[i]
         for j, rows in enumerate(micro_rows):
             with gradient_sync((policy, critic), enabled=j == len(micro_rows) - 1):
                 mb = batch.rows(rows)
@@ -1028,9 +1035,9 @@ def prompt_order(n: int, seed: int, start: int = 0):
     return itertools.islice(epochs(), start, None)
 
 
-def sampling_args(cfg: Config, run) -> dict:  # generate()'s keyword arguments for this run's rollouts
-    return dict(max_new_tokens=cfg.response_length, temperature=cfg.temperature, stop_ids=run.stop_ids,
-                pad_id=run.tokenizer.pad_token_id, top_k=cfg.top_k, top_p=cfg.top_p, vocab=run.vocab)
+def sampling_args(cfg: Config, pad_id: int, stop_ids, vocab=None) -> dict:  # generate()'s keyword arguments
+    return dict(max_new_tokens=cfg.response_length, temperature=cfg.temperature, stop_ids=stop_ids, pad_id=pad_id,
+                top_k=cfg.top_k, top_p=cfg.top_p, vocab=vocab)
 
 
 @torch.no_grad()
@@ -1110,11 +1117,10 @@ def evaluate(policy, tokenizer, prompt_ids, prompt_texts, cfg: Config, seed: int
     correct = 0.0
     for start in range(0, len(prompt_ids), chunk):
         ids, mask = left_pad(prompt_ids[start:start + chunk], tokenizer.pad_token_id, device)
-        batch = generate(policy, ids, mask, max_new_tokens=cfg.response_length, temperature=cfg.temperature,
-                         stop_ids=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id, generator=generator,
-                         top_k=cfg.top_k, top_p=cfg.top_p)
-        texts, completions = prompt_texts[start:start + chunk], decode_completions(tokenizer, batch)
-        correct += sum(s * e for s, e in zip(addition_reward(texts, completions), batch.ended.tolist()))
+        args = sampling_args(cfg, tokenizer.pad_token_id, tokenizer.eos_token_id)
+        batch = generate(policy, ids, mask, **args, generator=generator)
+        scores = addition_reward(prompt_texts[start:start + chunk], decode_completions(tokenizer, batch))
+        correct += sum(s * e for s, e in zip(scores, batch.ended.tolist()))
     return correct / len(prompt_ids)
 
 
@@ -1133,7 +1139,8 @@ def demo_warmup(policy, tokenizer, train_pairs, cfg: Config):
         return
     if cfg.demo_warmup_max_steps == 0:
         return
-    device, t0 = policy.device, time.time()
+    device = policy.device
+    t0 = time.time()
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.demo_warmup_lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 50))  # 50-step LR warm-up
     rng, check_rng = random.Random(cfg.seed), random.Random(cfg.seed + 1)  # training rows, accuracy-check rows
@@ -1160,8 +1167,9 @@ def demo_warmup(policy, tokenizer, train_pairs, cfg: Config):
                 break
     print(f"\nwarm-up: {step} steps in {time.time() - t0:.1f} s, sampled train accuracy {accuracy:.2f}")
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    torch.save({"state_dict": policy.state_dict(), "steps": step, "accuracy": accuracy}, path + ".tmp")
-    os.replace(path + ".tmp", path)  # atomic: a killed run never leaves a half-written cache entry
+    saved = {"state_dict": policy.state_dict(), "steps": step, "accuracy": accuracy}
+    atomic_write(path, functools.partial(torch.save, saved))  # a killed run never leaves half a cache entry
+
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1207,7 +1215,8 @@ class WeightSync:
     Staging lets the trainer keep updating while the sampler still generates with the previous version."""
 
     def __init__(self, policy, sampler, sharded=False):
-        self.policy, self.sampler_flat = policy, flatten_parameters(sampler)
+        self.policy = policy
+        self.sampler_flat = flatten_parameters(sampler)
         self.trainer_flat = None if sharded else flatten_parameters(policy)
         self.staging = self.sampler_flat.clone()
         self.cuda = self.sampler_flat.is_cuda
@@ -1265,7 +1274,11 @@ class Tracer:
     """Busy and waiting spans of both sides: summed per iteration for the log, and with --trace a Chrome trace."""
 
     def __init__(self, path: str):
-        self.path, self.events, self.totals, self.t0, self.lock = path, [], {}, time.perf_counter(), threading.Lock()
+        self.path = path
+        self.events = []  # Chrome trace events (with --trace)
+        self.totals = {}  # busy / wait seconds per side since the last take()
+        self.t0 = time.perf_counter()
+        self.lock = threading.Lock()
 
     @contextlib.contextmanager
     def span(self, name: str, side: str):  # side: "trainer" or "sampler"; names "wait..." count as waiting
@@ -1273,7 +1286,8 @@ class Tracer:
         try:
             yield
         finally:
-            end, key = time.perf_counter(), f"{side}_{'wait' if name.startswith('wait') else 'busy'}_s"
+            end = time.perf_counter()
+            key = f"{side}_{'wait' if name.startswith('wait') else 'busy'}_s"
             with self.lock:
                 self.totals[key] = self.totals.get(key, 0.0) + end - start
                 if self.path:
@@ -1340,7 +1354,8 @@ class Producer:
 
     def get(self) -> Rollout:
         if self.thread is None:
-            item, self.next_index = self._produce(self.next_index), self.next_index + 1
+            item = self._produce(self.next_index)
+            self.next_index += 1
         else:
             with self.tracer.span("wait for a batch", "trainer"):  # _run puts every batch, or its exception
                 item = self.queue.get()
@@ -1506,7 +1521,8 @@ def make_batch(t: Training, i: int, stop: threading.Event) -> Rollout:
         version = t.sync.pull()
         rows = [next(t.order) for _ in range(cfg.batch_size)][t.rank_rows]
         ids, mask = left_pad([run.prompt_ids[r] for r in rows], run.tokenizer.pad_token_id, run.policy.device)
-        batch = generate(t.decoder, ids, mask, **sampling_args(cfg, run), generator=t.sample_generator,
+        args = sampling_args(cfg, run.tokenizer.pad_token_id, run.stop_ids, run.vocab)
+        batch = generate(t.decoder, ids, mask, **args, generator=t.sample_generator,
                          policy_version=version, between_steps=functools.partial(next_version, t, stop, version))
         batch.prompts = [run.prompt_texts[r] for r in rows]
         batch.completions = decode_completions(run.tokenizer, batch)
@@ -1670,7 +1686,9 @@ class Logger:
 
 
 def prepare_output_dir(cfg: Config, ctx: Dist) -> str:  # rank 0 decides (and dates) it; every rank gets its answer
-    path, error = cfg.output_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S")), None
+    path = cfg.output_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+    error = None
+
     if ctx.rank == 0 and not cfg.resume and (os.path.exists(os.path.join(path, "metrics.jsonl")) or checkpoints(path)):
         error = (f"--output-dir {path} already holds a run (metrics.jsonl, checkpoints); continue it with --resume, "
                  "or choose another directory")
@@ -1684,10 +1702,20 @@ def prepare_output_dir(cfg: Config, ctx: Dist) -> str:  # rank 0 decides (and da
     return path
 
 
-def write_json(obj, path: str):  # via a temporary file and a rename, so a crash never leaves half a file
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2)
-    os.replace(path + ".tmp", path)
+def atomic_write(path: str, data):
+    """data (a str, or a function that writes a file at the path it is given) into path through a temporary file and
+    a rename, so a crash never leaves half a file: config.json, metrics.jsonl on resume, the demo's warm-up cache."""
+    tmp = path + ".tmp"
+    if callable(data):
+        data(tmp)
+    else:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(data)
+    os.replace(tmp, path)
+
+
+def write_json(obj, path: str):
+    atomic_write(path, json.dumps(obj, indent=2))
 
 
 def full_state(model, optimizer=None):
@@ -1750,7 +1778,8 @@ def save_checkpoint(output_dir: str, step: int, actor, critic, optimizers, token
     root = os.path.join(output_dir, "checkpoints")
     final, tmp = os.path.join(root, f"step-{step:08d}"), os.path.join(root, f".tmp-step-{step:08d}")
     policy_state = {k.removeprefix("policy."): v for k, v in full_state(actor).items()}
-    critic_state, optimizer_states = full_state(critic), [full_state(m, o) for m, o in zip((actor, critic), optimizers)]
+    critic_state = full_state(critic)
+    optimizer_states = [full_state(m, o) for m, o in zip((actor, critic), optimizers)]
     rank_state = {**rank_state, "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
                   "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
     ranks = [rank_state] * ctx.world
@@ -1820,18 +1849,18 @@ def load_checkpoint(path: str, actor, critic, optimizers, schedules, ctx: Dist =
 def restore_metrics(output_dir: str, step: int):
     """On resume: keep metrics.jsonl's records up to the checkpoint's step. Records a crashed run logged after its
     checkpoint (and a half-written last line) are dropped, and counted. Returns the kept iteration records."""
-    path, records, dropped = os.path.join(output_dir, "metrics.jsonl"), [], 0
+    path = os.path.join(output_dir, "metrics.jsonl")
+    records = []
     for line in open(path, encoding="utf-8") if os.path.exists(path) else []:
         try:
             records.append(json.loads(line))
         except json.JSONDecodeError:  # a half-written last line
             records.append({"step": math.inf})
-    records, dropped = [r for r in records if r["step"] <= step], sum(r["step"] > step for r in records)
+    dropped = sum(r["step"] > step for r in records)
+    records = [r for r in records if r["step"] <= step]
     if dropped:
         print(f"resume: dropped {dropped} metrics records written after the checkpoint of step {step}")
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-        f.writelines(json.dumps(r) + "\n" for r in records)
-    os.replace(path + ".tmp", path)
+    atomic_write(path, "".join(json.dumps(r) + "\n" for r in records))
     return [r for r in records if r["step"] > 0 and "skipped_update" not in r]
 
 
@@ -2004,7 +2033,8 @@ def bench_sampling(cfg: Config, run) -> float:  # part (1) of --bench-rollout; r
         if compiled.decode is not sampler:  # (unless it fell back)
             decoders["compiled"] = compiled
     name, decoder = list(decoders.items())[-1]  # what train() samples with
-    args = dict(sampling_args(cfg, run), stop_ids=[])  # every row generates --response-length tokens
+    args = sampling_args(cfg, tokenizer.pad_token_id, [], run.vocab)  # no stop id: --response-length tokens each
+
     hf = functools.partial(sampler.generate, input_ids=ids, attention_mask=mask, do_sample=True, top_k=0, top_p=1.0,
                            temperature=cfg.temperature, max_new_tokens=T, min_new_tokens=T,
                            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
