@@ -6,6 +6,9 @@ its own KV-cache sampling loop; a frozen reference model, a critic (value head o
 token minus kl_coef * KL(policy || reference) on every token; GAE turns them into advantages; and the clipped PPO
 objective updates the policy and the critic over a few epochs of minibatches. It follows "The N+ Implementation
 Details of RLHF with PPO" (Huang et al., 2024) and TRL's PPOTrainer where they agree, and says so where it differs.
+Critic-free instead (--advantage grpo / rloo, --samples-per-prompt n): each prompt is sampled n times and every token
+of a completion gets its score's standing in its group (GRPO, Dr. GRPO, RLOO); no critic is built; the KL to the
+reference goes into the loss; --loss-agg, --clip-range-high and --mismatch-correction cover DAPO's and verl's knobs.
 
 With --max-staleness k > 0 a sampler copy of the policy generates ahead of the trainer in its own thread (and CUDA
 stream), at most k policy versions behind, and the decoupled PPO objective corrects for the staleness. Under torchrun
@@ -86,11 +89,27 @@ class Config:
     adam_eps: float = arg(1e-5, "AdamW epsilon (1e-5 as in the N+ details, not PyTorch's 1e-8)")
     max_grad_norm: float = arg(1.0, "gradient-norm clip, per model")
     clip_range: float = arg(0.2, "PPO ratio clip epsilon")
+    clip_range_high: float = arg(0.0, "upper ratio clip: 1 + this (DAPO's clip-higher, e.g. 0.28); 0 = --clip-range")
     value_clip_range: float = arg(0.2, "value-prediction clip around the rollout's values")
     entropy_coef: float = arg(0.0, "entropy bonus in the policy loss (0 = only logged)")
-    kl_coef: float = arg(0.02, "weight of the per-token KL(policy || reference) penalty in the reward")
-    kl_estimator: str = arg("k1", "per-token KL estimator in the reward: k1 = logp - "
-                            "ref, k3 = e^(ref-logp) - (ref-logp) - 1")
+    kl_coef: float = arg(0.02, "weight of the per-token KL(policy || reference) penalty (see --kl-in)")
+    kl_in: str = arg("", "where the KL penalty goes: 'reward' (-kl_coef * kl_t in each token's reward) or 'loss' (+ "
+                     "kl_coef * mean kl_t in the policy loss, as GRPO); empty = reward for gae, loss for grpo / rloo")
+    kl_estimator: str = arg("", "per-token KL estimator: k1 = logp - ref, k2 = (logp - ref)^2 / 2, k3 = "
+                            "e^(ref-logp) - (ref-logp) - 1; empty = k1 in the reward, k3 in the loss")
+    advantage: str = arg("gae", "advantages: 'gae' (a critic and GAE), or critic-free from each prompt's group of "
+                         "--samples-per-prompt completions: 'grpo' (normalised score) or 'rloo' (leave-one-out)")
+    samples_per_prompt: int = arg(1, "completions sampled per prompt in a batch (a group); --batch-size counts "
+                                  "completions")
+    scale_rewards: str = arg("group", "grpo: divide the centred scores by the std of the group, of the batch, or "
+                             "'none' (Dr. GRPO; pair it with --loss-agg seq-mean-token-sum-norm)")
+    loss_agg: str = arg("token-mean", "a minibatch's loss from its token losses: 'token-mean', "
+                        "'seq-mean-token-mean', or 'seq-mean-token-sum-norm' (token sums / --response-length)")
+    drop_flat_groups: bool = arg(False, "groups whose completions all scored the same (no signal) leave the loss and "
+                                 "its denominators")
+    mismatch_correction: bool = arg(False, "weight fresh tokens too by min(exp(prox_logp - behav_logp), --is-cap): "
+                                    "corrects the sampler's (bf16) drift from the trainer")
+
     gamma: float = arg(1.0, "GAE discount")
     lam: float = arg(0.95, "GAE lambda")
     whiten_scores: bool = arg(False, "whiten the sequence scores over the batch before adding them to the rewards")
@@ -149,6 +168,12 @@ class Config:
     output_dir: str = arg("", "where config.json, metrics.jsonl and policy/ go; empty = runs/<date-time>")
     wandb_project: str = arg("", "log to this Weights & Biases project (off when empty; wandb imported only then)")
 
+    def __post_init__(self):  # the defaults that depend on other flags (check_config checks the result)
+        if not self.kl_in:  # critic-free runs put the KL in the loss (GRPO), PPO in the reward
+            self.kl_in = "reward" if self.advantage == "gae" else "loss"
+        if not self.kl_estimator:
+            self.kl_estimator = "k1" if self.kl_in == "reward" else "k3"
+
 
 Dist = collections.namedtuple("Dist", "rank local_rank world", defaults=(0, 0, 1))  # this process's place in the job
 
@@ -158,8 +183,9 @@ Dist = collections.namedtuple("Dist", "rank local_rank world", defaults=(0, 0, 1
 # Everything after the marker further down (set-up, models, prompts and rewards, the demo, the overlapped loop's
 # machinery, logging, checkpoints, distributed helpers, benchmarks, the CLI) is plumbing it calls by name.
 # One iteration of train(): generate (sample a batch) -> score_frozen (reference log-probs, the reward) ->
-# score_trainer (old log-probs, values, per_token_rewards, gae, whitening, off_policy_correction) -> ppo_update
-# (policy_loss, value_loss) -> WeightSync.publish (the sampler pulls the new weights before its next batch).
+# score_trainer (old log-probs, values, per_token_rewards, gae and whitening or group_advantages,
+# off_policy_correction) -> ppo_update (policy_loss, value_loss) -> WeightSync.publish (the sampler pulls the new
+# weights before its next batch).
 #
 # rollout: the policy samples a completion per prompt with its own KV-cache loop
 
@@ -398,29 +424,39 @@ def score_frozen(batch: Rollout, reference, reward_fn, cfg: Config):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# advantages: the KL in the reward, GAE, whitening, the decoupled-PPO importance weights
+# advantages: the KL in the reward, GAE, whitening, group advantages (GRPO, RLOO), the decoupled-PPO weights
 
 
 def masked_mean(x, mask, denom=None):  # mean of x over mask == 1 (or sum / denom); NaN-safe outside the mask
     return torch.where(mask.bool(), x, 0.0).sum() / (mask.sum().clamp(min=1) if denom is None else denom)
 
 
-def masked_whiten(x, mask):
-    """(x - mean) / std over the real tokens only: pads neither shift the statistics nor get a value (they stay 0).
-    Unbiased variance, as TRL. Under torchrun the sums run over every rank's tokens, so the result does not depend
-    on how the batch was split."""
+def masked_moments(x, mask):
+    """(mean, unbiased variance) of x over mask == 1; under torchrun over every rank's elements, so the result does
+    not depend on how the batch was split."""
     mask = mask.bool()
     total = all_reduce(torch.stack([torch.where(mask, x, 0.0).sum(), mask.sum().to(x.dtype)]))  # (sum, count)
     mean, n = total[0] / total[1], total[1]
-    var = all_reduce(torch.where(mask, (x - mean) ** 2, 0.0).sum()) / (n - 1).clamp(min=1)
-    return torch.where(mask, (x - mean) * torch.rsqrt(var + 1e-8), 0.0)
+    return mean, all_reduce(torch.where(mask, (x - mean) ** 2, 0.0).sum()) / (n - 1).clamp(min=1)
+
+
+def masked_whiten(x, mask):
+    """(x - mean) / std over the real tokens only: pads neither shift the statistics nor get a value (they stay 0).
+    Unbiased variance, as TRL; over all ranks (masked_moments)."""
+    mean, var = masked_moments(x, mask)
+    return torch.where(mask.bool(), (x - mean) * torch.rsqrt(var + 1e-8), 0.0)
 
 
 def kl_estimate(logprobs, ref_logprobs, estimator: str):
     """Per-token estimators of KL(pi || ref) from samples of pi (Schulman, "Approximating KL Divergence", 2020), with
-    log r = ref_logprob - logprob:  k1 = -log r (unbiased, can be negative),  k3 = (r - 1) - log r (unbiased, >= 0)."""
-    log_ratio = ref_logprobs - logprobs  # check_config allows only k1 and k3
-    return -log_ratio if estimator == "k1" else torch.expm1(log_ratio) - log_ratio
+    log r = ref_logprob - logprob:  k1 = -log r (unbiased, can be negative),  k3 = (r - 1) - log r (unbiased, >= 0),
+    k2 = (log r)^2 / 2 (biased, >= 0; in the loss its expected gradient is the KL's: E[grad k2] = grad KL)."""
+    log_ratio = ref_logprobs - logprobs
+    if estimator == "k1":
+        return -log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio ** 2
+    return torch.expm1(log_ratio) - log_ratio  # k3 (check_config allows only these three)
 
 
 def per_token_rewards(scores, kl, response_mask, kl_coef):
@@ -447,28 +483,64 @@ def gae(rewards, values, response_mask, gamma: float, lam: float):
     return advantages, torch.where(mask, advantages + values[:, :T], 0.0)
 
 
+def group_advantages(returns, n: int, estimator: str, scale_rewards="group", eps=1e-6):
+    """Critic-free advantages, one per completion, from the n completions of its prompt (rows g*n .. g*n + n-1):
+        grpo (Shao et al. 2024, DeepSeekMath):  A_i = (s_i - mean_group s) / (std_group s + eps), std unbiased as in
+            TRL and verl; --scale-rewards batch: the std of the whole batch instead; none: no division (Dr. GRPO,
+            Liu et al. 2025: the std favours prompts that are almost always solved or failed);
+        rloo (Ahmadian et al. 2024):  A_i = s_i - mean_{j != i} s_j = n / (n - 1) * (s_i - mean_group s).
+    returns (B,): each completion's score minus the KL in its rewards. Returns (B,)."""
+    groups = returns.view(-1, n)  # (B / n, n)
+    centred = groups - groups.mean(1, keepdim=True)
+    if estimator == "rloo":
+        return (centred * (n / (n - 1))).reshape(-1)
+    if scale_rewards == "group":
+        centred = centred / (groups.std(1, keepdim=True) + eps)
+    elif scale_rewards == "batch":  # over every rank's completions
+        centred = centred / (masked_moments(returns, torch.ones_like(returns))[1].sqrt() + eps)
+    return centred.reshape(-1)
+
+
+def flat_groups(scores, n: int):  # (B,) bool: the row's group of n completions all got the same score
+    groups = scores.view(-1, n)
+    return (groups == groups[:, :1]).all(1).repeat_interleave(n)
+
+
 @torch.no_grad()
 def score_trainer(batch: Rollout, policy, critic, cfg: Config, row_order=None, version=None):
     """The trainer side: proximal ("old") log-probs and values need the current weights, so the trainer computes them
     right before its update, in the same micro-batch rows (row_order) as the first training epoch, so the first
-    epoch's ratio is bit-exactly 1 (see ppo_update). Then the per-token rewards, GAE, whitening and the staleness
-    correction (off_policy_correction). version: the trainer's policy version (None = every token is fresh: plain
-    PPO). Returns the per-token KL."""
+    epoch's ratio is bit-exactly 1 (see ppo_update). Then the per-token rewards, the advantages (GAE and whitening,
+    or a critic-free group estimate: group_advantages) and the staleness correction (off_policy_correction).
+    version: the trainer's policy version (None = every token is fresh: plain PPO). critic: None for grpo / rloo.
+    Returns the per-token KL."""
     batch.old_logprobs = torch.zeros_like(batch.behav_logprobs)
     batch.values = torch.zeros_like(batch.behav_logprobs, dtype=torch.float32)  # the critic's output is fp32
     for rows, mb in micro_batches(batch, cfg, row_order, ranks_agree=True):  # the first epoch's micro-batches
         inputs = model_inputs(mb, cfg)  # packed once for both models
         with autocast(cfg, batch.response.device):
             batch.old_logprobs[rows] = rollout_logprobs(policy, mb, cfg, inputs)[0]
-            batch.values[rows] = critic_values(critic, mb, inputs)
+            if critic is not None:
+                batch.values[rows] = critic_values(critic, mb, inputs)
     mask = batch.response_mask.bool()
     if cfg.whiten_scores:  # here, not in the producer: under torchrun it is a collective, which only this thread runs
         batch.scores = masked_whiten(batch.scores, torch.ones_like(batch.scores))
     kl = torch.where(mask, kl_estimate(batch.old_logprobs, batch.ref_logprobs, cfg.kl_estimator), 0.0)  # (B, T)
-    batch.rewards = per_token_rewards(batch.scores, kl, batch.response_mask, cfg.kl_coef)
-    advantages, batch.returns = gae(batch.rewards, batch.values, batch.response_mask, cfg.gamma, cfg.lam)
-    batch.advantages = masked_whiten(advantages, batch.response_mask)
+    reward_kl_coef = cfg.kl_coef if cfg.kl_in == "reward" else 0.0  # (--kl-in loss: ppo_update adds it)
+    batch.rewards = per_token_rewards(batch.scores, kl, batch.response_mask, reward_kl_coef)
+    if cfg.advantage == "gae":
+        advantages, batch.returns = gae(batch.rewards, batch.values, batch.response_mask, cfg.gamma, cfg.lam)
+        batch.advantages = masked_whiten(advantages, batch.response_mask)
+    else:  # every token of a completion gets its completion's advantage; no critic, no returns
+        returns = batch.rewards.sum(-1)  # (B,) the score minus the KL in the rewards
+        advantage = group_advantages(returns, cfg.samples_per_prompt, cfg.advantage, cfg.scale_rewards)
+        batch.advantages = torch.where(mask, advantage[:, None], 0.0)
     off_policy_correction(batch, cfg, version)
+    if cfg.samples_per_prompt > 1:  # groups without signal: counted, and with --drop-flat-groups out of the loss
+        flat = flat_groups(batch.scores, cfg.samples_per_prompt)
+        batch.correction["zero_std_groups"] = int(flat.sum()) // cfg.samples_per_prompt
+        if cfg.drop_flat_groups:
+            batch.loss_mask = batch.loss_mask * ~flat[:, None]
     return kl
 
 
@@ -476,13 +548,17 @@ def off_policy_correction(batch: Rollout, cfg: Config, version=None):
     """Staleness: the tokens an older policy sampled (age = version - policy_version > 0) get the decoupled-PPO
     importance weight (Hilton et al. 2022; AReaL), the proximal policy being the trainer's current one:
         w_t = exp(prox_logp_t - behav_logp_t), capped at --is-cap (truncated or masked); exactly 1 for fresh tokens,
-    so at --max-staleness 0 this is plain PPO to the bit. Tokens older than --max-token-age leave the loss."""
+    so at --max-staleness 0 this is plain PPO to the bit. Tokens older than --max-token-age leave the loss.
+    --mismatch-correction: fresh tokens get the same truncated weight (Yao et al. 2025, "Your efficient RL framework
+    secretly brings you off-policy RL training"): a sampler whose numerics differ from the trainer's (bf16, other
+    kernels) is a slightly different policy even at the same version."""
     mask = batch.response_mask.bool()
     age = torch.zeros_like(batch.policy_version) if version is None else version - batch.policy_version  # (B, T)
     # fresh = the whole row, prompt pass included, ran on the trainer's weights (versions only grow along a row: an
     # in-flight update leaves the older weights' KV cache behind the newer tokens, so those are not fresh)
-    fresh = (age[:, :1] == 0).expand_as(age)
-    weight = torch.where(fresh, 1.0, torch.exp(batch.old_logprobs - batch.behav_logprobs))
+    fresh = (age[:, :1] == 0).expand_as(age) & (not cfg.mismatch_correction)
+    log_ratio = batch.old_logprobs - batch.behav_logprobs  # log pi_prox / pi_behav
+    weight = torch.where(fresh, 1.0, torch.exp(log_ratio))
     capped = mask & (weight > cfg.is_cap)
     batch.is_weight = torch.where(capped, cfg.is_cap if cfg.is_mode == "truncate" else 0.0, weight)
     batch.loss_mask = (mask & ((age <= cfg.max_token_age) if cfg.max_token_age >= 0 else True)).long()
@@ -491,8 +567,10 @@ def off_policy_correction(batch: Rollout, cfg: Config, version=None):
                         "is_weight_mean": float(masked_mean(batch.is_weight, mask)),
                         "is_weight_max": float(torch.where(mask, weight, 0.0).max()),
                         "is_capped_frac": float(masked_mean(capped.float(), mask)),
-                        "behav_prox_max_diff": float(torch.where(mask, batch.old_logprobs - batch.behav_logprobs,
-                                                                 0.0).abs().max()),  # sampler/trainer mismatch
+                        # the sampler / trainer mismatch: |log pi_prox - log pi_behav|, and KL(behav || prox) (k3)
+                        "behav_prox_max_diff": float(torch.where(mask, log_ratio, 0.0).abs().max()),
+                        "behav_prox_mean_diff": float(masked_mean(log_ratio.abs(), mask)),
+                        "behav_prox_kl": float(masked_mean(torch.expm1(log_ratio) - log_ratio, mask)),
                         "tokens_dropped": int((mask & ~batch.loss_mask.bool()).sum())}
 
 
@@ -500,21 +578,25 @@ def off_policy_correction(batch: Rollout, cfg: Config, version=None):
 # PPO loss
 
 
-def policy_loss(logprobs, old_logprobs, advantages, mask, clip_range, n_tokens=None, is_weight=None):
-    """Clipped surrogate (Schulman et al., 2017), averaged over real tokens (token-level mean: every token of the
-    minibatch weighs the same, however long its sequence):
+def policy_loss(logprobs, old_logprobs, advantages, mask, clip_range, n_tokens=None, is_weight=None,
+                clip_range_high=0.0, token_weight=None, loss_denom=None):
+    """Clipped surrogate (Schulman et al., 2017), by default averaged over real tokens (token-level mean: every token
+    of the minibatch weighs the same, however long its sequence):
         ratio_t = exp(logp_t - old_logp_t),
-        L = mean_t max(-A_t * ratio_t, -A_t * clip(ratio_t, 1 - eps, 1 + eps)).
+        L = mean_t max(-A_t * ratio_t, -A_t * clip(ratio_t, 1 - eps, 1 + eps_high)),
+    eps_high = clip_range_high, or eps when 0 (DAPO's clip-higher, Yu et al. 2025, lets unlikely tokens grow more).
     n_tokens: the denominator, the real tokens of the whole minibatch when this is one micro-batch of it.
     is_weight: decoupled PPO (old = the proximal policy): each token's term times its importance weight
     pi_prox / pi_behav; None or all ones (fresh tokens) is standard PPO, to the bit.
+    token_weight, loss_denom: another --loss-agg (loss_denominators); the statistics stay token means.
     Returns (loss, stats) with clip fraction and approx KL(old || new) = mean (ratio - 1) - log ratio (k3)."""
     log_ratio = logprobs - old_logprobs
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + (clip_range_high or clip_range))
     per_token = torch.maximum(unclipped, clipped)
-    loss = masked_mean(per_token if is_weight is None else per_token * is_weight, mask, n_tokens)
+    loss = aggregate(per_token if is_weight is None else per_token * is_weight, mask,
+                     n_tokens if loss_denom is None else loss_denom, token_weight)
     with torch.no_grad():
         stats = {"clipfrac": masked_mean((clipped > unclipped).to(ratio.dtype), mask, n_tokens),
                  "approx_kl": masked_mean(torch.expm1(log_ratio) - log_ratio, mask, n_tokens),
@@ -522,12 +604,15 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, clip_range, n_tokens=N
     return loss, stats
 
 
-def value_loss(values, old_values, returns, mask, clip_range, n_tokens=None):
+def value_loss(values, old_values, returns, mask, clip_range, n_tokens=None, token_weight=None, loss_denom=None):
     """Clipped value loss (as in OpenAI's baselines / the N+ details): the prediction may move at most clip_range
     from the rollout's value, and the worse of the clipped and unclipped squared errors is taken:
-        L = 0.5 * mean_t max((V_t - R_t)^2, (old_V_t + clip(V_t - old_V_t, -c, c) - R_t)^2)."""
+        L = 0.5 * mean_t max((V_t - R_t)^2, (old_V_t + clip(V_t - old_V_t, -c, c) - R_t)^2),
+    the mean as policy_loss's (token_weight, loss_denom: --loss-agg)."""
     clipped = old_values + torch.clamp(values - old_values, -clip_range, clip_range)
-    loss = 0.5 * masked_mean(torch.maximum((values - returns) ** 2, (clipped - returns) ** 2), mask, n_tokens)
+    squared = torch.maximum((values - returns) ** 2, (clipped - returns) ** 2)
+    loss = 0.5 * aggregate(squared, mask, n_tokens if loss_denom is None else loss_denom, token_weight)
+
     with torch.no_grad():
         clipped_worse = ((values - returns) ** 2 < (clipped - returns) ** 2).to(values.dtype)
         stats = {"vf_clipfrac": masked_mean(clipped_worse, mask, n_tokens)}
@@ -558,60 +643,98 @@ def gradient_sync(models, enabled: bool):  # DDP / FSDP2: all-reduce gradients i
 
 def ppo_update(policy, critic, policy_opt, critic_opt, batch: Rollout, cfg: Config, row_orders):
     """ppo_epochs x minibatches optimizer steps on one batch; row_orders[e] is epoch e's row order (epoch 0's is the
-    one scoring used). Micro-batch losses are divided by the minibatch's token count over all ranks (/ world, as DDP
-    averages gradients), so accumulation gives one big batch's token mean; gradients sync on the last micro-step.
-    A NaN/inf loss or grad norm skips that step and the rest (earlier steps stand): returns {"nonfinite": where}."""
+    one scoring used). Micro-batch losses are divided by their minibatch's denominator over all ranks
+    (loss_denominators), so accumulation gives the one big batch's --loss-agg; gradients sync on the last micro-step.
+    critic and critic_opt are None for grpo / rloo (no value loss). With --kl-in loss the policy's objective also has
+    kl_coef * the aggregated per-token KL to the reference. A NaN/inf loss or grad norm skips that step and the rest
+    (earlier steps stand): returns {"nonfinite": where}."""
     minibatch_size = batch.response.shape[0] // cfg.minibatches
     sums = {}  # each logged statistic, summed over the optimizer steps
     n_steps = 0
     first_ratio_max_dev = torch.zeros(())
-    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    models = [m for m in (policy, critic) if m is not None]
+    optimizers = [o for o in (policy_opt, critic_opt) if o is not None]
     minibatches = [rows for order in row_orders[:cfg.ppo_epochs]
                    for rows in order.to(batch.response.device).split(minibatch_size)]  # epoch by epoch
-    # (one collective; a minibatch without a token on any rank divides by 1, not 0)
-    tokens = all_reduce(torch.stack([batch.loss_mask[rows].sum() for rows in minibatches])).clamp(min=1) / world
+    tokens, denominators, row_weight = loss_denominators(batch, minibatches, cfg)
     device = batch.response.device
     for i, micro_rows in enumerate(micro_batch_rows(batch, minibatches, cfg, ranks_agree=True)):
         epoch, minibatch = divmod(i, cfg.minibatches)
         mb_tokens = tokens[i]
         for j, rows in enumerate(micro_rows):
-            with gradient_sync((policy, critic), enabled=j == len(micro_rows) - 1):
+            with gradient_sync(models, enabled=j == len(micro_rows) - 1):
                 mb = batch.rows(rows)
+                token_weight = None if row_weight is None else row_weight[rows][:, None]  # (b, 1)
+                loss_share = functools.partial(aggregate, mask=mb.loss_mask, denom=denominators[i],
+                                               token_weight=token_weight)
                 inputs = model_inputs(mb, cfg)  # packed once for both models
                 with autocast(cfg, device):
                     logprobs, entropy = rollout_logprobs(policy, mb, cfg, inputs)
                 pg_loss, pg_stats = policy_loss(logprobs, mb.old_logprobs, mb.advantages, mb.loss_mask,
-                                                cfg.clip_range, mb_tokens, mb.is_weight)
-                entropy_mean = masked_mean(entropy, mb.loss_mask, mb_tokens)
-                (pg_loss - cfg.entropy_coef * entropy_mean).backward()
-                with autocast(cfg, device):
-                    values = critic_values(critic, mb, inputs)
-                vf_loss, vf_stats = value_loss(values, mb.values, mb.returns, mb.loss_mask, cfg.value_clip_range,
-                                               mb_tokens)
-                vf_loss.backward()
+                                                cfg.clip_range, mb_tokens, mb.is_weight, cfg.clip_range_high,
+                                                token_weight, denominators[i])
+                entropy_mean = masked_mean(entropy, mb.loss_mask, mb_tokens)  # (logged: a token mean)
+                objective = pg_loss - cfg.entropy_coef * loss_share(entropy)
+                kl_stats, vf_loss_stats, vf_stats = {}, {}, {}
+                if cfg.kl_in == "loss":  # GRPO's KL term, with the gradient through the policy's log-probs
+                    kl_stats["kl_loss"] = loss_share(kl_estimate(logprobs, mb.ref_logprobs, cfg.kl_estimator))
+                    objective = objective + cfg.kl_coef * kl_stats["kl_loss"]
+                objective.backward()
+                if critic is not None:
+                    with autocast(cfg, device):
+                        values = critic_values(critic, mb, inputs)
+                    vf_loss, vf_stats = value_loss(values, mb.values, mb.returns, mb.loss_mask, cfg.value_clip_range,
+                                                   mb_tokens, token_weight, denominators[i])
+                    vf_loss.backward()
+                    vf_loss_stats["vf_loss"] = vf_loss
             ratio_max_dev = pg_stats.pop("ratio_max_dev")
             if n_steps == 0:  # the first minibatch: the weights are the ones scoring used, so this must be 0
                 first_ratio_max_dev = torch.maximum(first_ratio_max_dev, ratio_max_dev)
-            step_stats = {"pg_loss": pg_loss, "vf_loss": vf_loss, "entropy": entropy_mean, **pg_stats, **vf_stats}
+            step_stats = {"pg_loss": pg_loss, **vf_loss_stats, "entropy": entropy_mean, **pg_stats, **vf_stats,
+                          **kl_stats}
             for k, v in step_stats.items():  # micro-batch shares add up to minibatch means; .item() only at the end
                 sums[k] = sums.get(k, 0.0) + v.detach()
-        norms = [torch.nn.utils.clip_grad_norm_(m.parameters(), cfg.max_grad_norm) for m in (policy, critic)]
+        norms = [torch.nn.utils.clip_grad_norm_(m.parameters(), cfg.max_grad_norm) for m in models]
         norms = [getattr(n, "full_tensor", lambda: n)() for n in norms]  # FSDP2 returns a DTensor
-        finite = torch.isfinite(torch.stack([sums["pg_loss"], sums["vf_loss"], *norms])).tolist()  # one sync
+        losses = [sums["pg_loss"]] + ([sums["vf_loss"]] if critic is not None else [])
+        finite = torch.isfinite(torch.stack([*losses, *norms])).tolist()  # one sync
         if any_rank(not all(finite), norms[0].device):
-            policy_opt.zero_grad(set_to_none=True)
-            critic_opt.zero_grad(set_to_none=True)
-            what = [n for n, ok in zip(("policy loss", "value loss", "policy grad norm", "critic grad norm"), finite)
-                    if not ok] or ["loss on another rank"]
+            for optimizer in optimizers:
+                optimizer.zero_grad(set_to_none=True)
+            names = ["policy loss", "value loss"][:len(losses)] + ["policy grad norm", "critic grad norm"][:len(norms)]
+            what = [n for n, ok in zip(names, finite) if not ok] or ["loss on another rank"]
             return {"nonfinite": f"{', '.join(what)} at epoch {epoch + 1} minibatch {minibatch + 1} (after {n_steps} "
                                  "finite steps)"}
         for name, norm in zip(("grad_norm", "critic_grad_norm"), norms):
             sums[name] = sums.get(name, 0.0) + norm
-        for optimizer in (policy_opt, critic_opt):
+        for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         n_steps += 1
     return {**{k: float(v) / n_steps for k, v in sums.items()}, "first_ratio_max_dev": float(first_ratio_max_dev)}
+
+
+def loss_denominators(batch: Rollout, minibatches, cfg: Config):
+    """Each minibatch's denominators over all ranks, / world as DDP averages gradients (one collective): its real
+    tokens (token means: the logged statistics) and its loss's (--loss-agg): the tokens (token-mean); the sequences,
+    each token weighted by 1 / its sequence's tokens (seq-mean-token-mean); the sequences x --response-length
+    (seq-mean-token-sum-norm, Dr. GRPO: a constant, so a long answer's tokens weigh no less). A minibatch without a
+    token or sequence on any rank divides by 1, not 0. Returns (tokens (M,), loss denominators (M,), row weights (B,)
+    or None), so the loss is the same however the minibatch is split into micro-batches and ranks."""
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    lengths = batch.loss_mask.sum(1)  # (B,)
+    counts = torch.stack([torch.stack([lengths[rows].sum(), (lengths[rows] > 0).sum()]) for rows in minibatches])
+    counts = all_reduce(counts).clamp(min=1) / world  # (M, 2)
+    tokens, sequences = counts[:, 0], counts[:, 1]
+    if cfg.loss_agg == "token-mean":
+        return tokens, tokens, None
+    if cfg.loss_agg == "seq-mean-token-mean":
+        return tokens, sequences, 1.0 / lengths.clamp(min=1)
+    return tokens, sequences * cfg.response_length, None
+
+
+def aggregate(x, mask, denom, token_weight=None):  # a micro-batch's share of a minibatch's loss (loss_denominators)
+    return masked_mean(x if token_weight is None else x * token_weight, mask, denom)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -728,12 +851,15 @@ def setup(cfg: Config, ctx: Dist = Dist()):
         use_packed_attention(backbone_of(policy), cfg.bf16)  # before the copies: the reference and sampler inherit it
     reference = cast_parameters(copy.deepcopy(policy), dtype).requires_grad_(False)
     run["reference"] = Actor(reference, cfg.temperature, cfg.full_logits, vocab)
-    run["critic"] = build_critic(policy, reward_model, same_tokenizer)
-    if cfg.micro_batch_tokens:  # (a critic from the reward model has its own attention set-up)
+    run["critic"] = None  # grpo / rloo: critic-free
+    critic_from = f"no critic (--advantage {cfg.advantage})"
+    if cfg.advantage == "gae":
+        run["critic"] = build_critic(policy, reward_model, same_tokenizer)
+        from_rm = reward_model is not None and same_tokenizer
+        critic_from = f"critic from {'the reward model' if from_rm else 'the policy, zero-initialised head'}"
+    if cfg.micro_batch_tokens and run["critic"] is not None:  # (a critic from the reward model: its own attention)
         use_packed_attention(run["critic"].backbone, cfg.bf16)
-    from_rm = reward_model is not None and same_tokenizer
-    print(f"policy {sum(p.numel() for p in policy.parameters()) / 1e6:.2f}M parameters on {device}; critic from "
-          f"{'the reward model' if from_rm else 'the policy, zero-initialised head'}")
+    print(f"policy {sum(p.numel() for p in policy.parameters()) / 1e6:.2f}M parameters on {device}; {critic_from}")
     return dataclasses.make_dataclass("Run", run.keys())(**run)
 
 
@@ -775,7 +901,6 @@ def load_policy(cfg: Config, device):
                   "log-probs from its full logits (--full-logits)")
         cfg.full_logits = True
     return tokenizer, policy, stop_ids, vocab
-
 
 
 def build_demo_tokenizer():
@@ -922,20 +1047,21 @@ def fp32_head(model):
     head.forward = functools.partial(outside_autocast, head.forward, dtype=head.weight.dtype)
 
 
-
 def autocast(cfg: Config, device):  # --bf16: the trainer's forwards in bf16 autocast, its weights and Adam in fp32
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16)
 
 
 def make_optimizers(cfg: Config, policy, critic):
-    """AdamW per model (eps 1e-5: the N+ details), decayed linearly to 0 over --steps unless --no-lr-decay."""
+    """AdamW per model (eps 1e-5: the N+ details), decayed linearly to 0 over --steps unless --no-lr-decay. Returns
+    (the policy's, the critic's or None without a critic, their schedules)."""
     optimizers = [torch.optim.AdamW(model.parameters(), lr=lr, eps=cfg.adam_eps, weight_decay=cfg.weight_decay,
                                     fused=True)  # one kernel for all parameters, CPU and CUDA
-                  for model, lr in ((policy, cfg.lr), (critic, cfg.critic_lr))]
+                  for model, lr in ((policy, cfg.lr), (critic, cfg.critic_lr)) if model is not None]
 
     def decay(step: int) -> float:  # the learning rates' factor after `step` updates
         return max(0.0, 1.0 - step / cfg.steps) if cfg.lr_decay else 1.0
-    return (*optimizers, [torch.optim.lr_scheduler.LambdaLR(o, decay) for o in optimizers])
+    schedules = [torch.optim.lr_scheduler.LambdaLR(o, decay) for o in optimizers]
+    return optimizers[0], optimizers[1] if critic is not None else None, schedules
 
 
 def wrap_for_training(model, cfg: Config):
@@ -1169,7 +1295,6 @@ def demo_warmup(policy, tokenizer, train_pairs, cfg: Config):
     os.makedirs(os.path.dirname(path), exist_ok=True)
     saved = {"state_dict": policy.state_dict(), "steps": step, "accuracy": accuracy}
     atomic_write(path, functools.partial(torch.save, saved))  # a killed run never leaves half a cache entry
-
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1460,13 +1585,17 @@ def start_training(cfg: Config, run, output_dir: str, threaded, ctx: Dist) -> Tr
     sync = WeightSync(policy, sampler, sharded)  # packs the weights
     if evaluator is not None:  # its parameters become views of the published weights, which only this thread writes
         torch.nn.utils.vector_to_parameters(sync.staging, evaluator.parameters())
-    for model in (policy, run.critic) if cfg.gradient_checkpointing else ():  # (not the sampler copy, made above)
+    trained = [m for m in (policy, run.critic) if m is not None]  # (no critic: grpo / rloo)
+    for model in trained if cfg.gradient_checkpointing else ():  # (not the sampler copy, made above)
         checkpoint_layers(model)
     if cfg.bf16:
         fp32_head(policy)
     actor = wrap_for_training(Actor(policy, cfg.temperature, cfg.full_logits, run.vocab), cfg)
-    critic = wrap_for_training(run.critic, cfg)
+    critic = wrap_for_training(run.critic, cfg) if run.critic is not None else None
     policy_opt, critic_opt, schedules = make_optimizers(cfg, actor, critic)
+    n_trained = sum(p.numel() for m in trained for p in m.parameters() if p.requires_grad)
+    print(f"trainable parameters: {n_trained / 1e6:.2f}M ({' + '.join(type(m).__name__ for m in trained)})")
+
     # the same prompt order on every rank, each taking its slice; sampling differs per rank (a seed offset)
     rank_rows = slice(ctx.rank * cfg.batch_size // ctx.world, (ctx.rank + 1) * cfg.batch_size // ctx.world)
     threaded = (cfg.max_staleness > 0 or cfg.inflight_updates) if threaded is None else threaded
@@ -1482,7 +1611,8 @@ def start_training(cfg: Config, run, output_dir: str, threaded, ctx: Dist) -> Tr
         write_json(dataclasses.asdict(cfg), os.path.join(output_dir, "config.json"))  # the config actually used
     t.logger = Logger(cfg, output_dir, enabled=ctx.rank == 0)
     t.tracer = Tracer(cfg.trace if ctx.rank == 0 else "")
-    t.order = prompt_order(len(run.prompt_ids), cfg.seed, start=t.start * cfg.batch_size)
+    prompts_per_batch = cfg.batch_size // cfg.samples_per_prompt
+    t.order = prompt_order(len(run.prompt_ids), cfg.seed, start=t.start * prompts_per_batch)
     longest = max(map(len, run.prompt_ids)) + cfg.response_length
     t.decoder = sampler
     if cfg.static_cache:
@@ -1519,7 +1649,10 @@ def make_batch(t: Training, i: int, stop: threading.Event) -> Rollout:
     with t.tracer.span("generate", "sampler"):
         t0 = time.perf_counter()
         version = t.sync.pull()
-        rows = [next(t.order) for _ in range(cfg.batch_size)][t.rank_rows]
+        prompts = [next(t.order) for _ in range(cfg.batch_size // cfg.samples_per_prompt)]
+        # each prompt --samples-per-prompt times, side by side (a group: group_advantages), every rank whole groups
+        rows = [p for p in prompts for _ in range(cfg.samples_per_prompt)][t.rank_rows]
+
         ids, mask = left_pad([run.prompt_ids[r] for r in rows], run.tokenizer.pad_token_id, run.policy.device)
         args = sampling_args(cfg, run.tokenizer.pad_token_id, run.stop_ids, run.vocab)
         batch = generate(t.decoder, ids, mask, **args, generator=t.sample_generator,
@@ -1778,8 +1911,8 @@ def save_checkpoint(output_dir: str, step: int, actor, critic, optimizers, token
     root = os.path.join(output_dir, "checkpoints")
     final, tmp = os.path.join(root, f"step-{step:08d}"), os.path.join(root, f".tmp-step-{step:08d}")
     policy_state = {k.removeprefix("policy."): v for k, v in full_state(actor).items()}
-    critic_state = full_state(critic)
-    optimizer_states = [full_state(m, o) for m, o in zip((actor, critic), optimizers)]
+    critic_state = full_state(critic) if critic is not None else None  # (grpo / rloo: no critic)
+    optimizer_states = [full_state(m, o) for m, o in zip((actor, critic), optimizers) if m is not None]
     rank_state = {**rank_state, "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
                   "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
     ranks = [rank_state] * ctx.world
@@ -1789,7 +1922,8 @@ def save_checkpoint(output_dir: str, step: int, actor, critic, optimizers, token
         return final
     shutil.rmtree(tmp, ignore_errors=True)
     save_policy(getattr(actor, "module", actor).policy, tokenizer, os.path.join(tmp, "policy"), policy_state)
-    torch.save(critic_state, os.path.join(tmp, "critic.pt"))
+    if critic_state is not None:
+        torch.save(critic_state, os.path.join(tmp, "critic.pt"))
     torch.save({**state, "optimizers": optimizer_states, "ranks": ranks}, os.path.join(tmp, "trainer_state.pt"))
     write_json(dataclasses.asdict(cfg), os.path.join(tmp, "config.json"))
     for directory, _, files in os.walk(tmp):  # on disk, names included, before the rename makes the checkpoint count
@@ -1823,12 +1957,14 @@ def load_checkpoint(path: str, actor, critic, optimizers, schedules, ctx: Dist =
         from transformers import AutoModelForCausalLM
         saved = AutoModelForCausalLM.from_pretrained(os.path.join(path, "policy"), dtype=torch.float32)
         policy_state = {f"policy.{k}": v for k, v in saved.state_dict().items()}
-        critic_state = torch.load(os.path.join(path, "critic.pt"), map_location="cpu")
+        if critic is not None:
+            critic_state = torch.load(os.path.join(path, "critic.pt"), map_location="cpu")
         state = torch.load(os.path.join(path, "trainer_state.pt"), map_location="cpu")
-    load_full_state(actor, policy_state)
-    load_full_state(critic, critic_state)
-    for model, optimizer, saved in zip((actor, critic), optimizers, state.get("optimizers", [{}, {}])):
+    models = [(m, o) for m, o in zip((actor, critic), optimizers) if m is not None]  # (no critic: grpo / rloo)
+    for (model, optimizer), saved in zip(models, state.get("optimizers", [{}] * len(models))):
+        load_full_state(model, policy_state if model is actor else critic_state)
         load_full_state(model, saved, optimizer)
+
     if torch.distributed.is_initialized():
         shared = [{k: v for k, v in state.items() if k != "optimizers"}]
         torch.distributed.broadcast_object_list(shared, src=0)
@@ -1878,9 +2014,9 @@ def nonfinite(batch: Rollout):  # what in a scored batch is NaN or inf, and in w
 
 def format_line(r: dict, steps: int) -> str:
     acc = f" | acc {r['eval_accuracy']:.3f}" if "eval_accuracy" in r else ""
+    critic = f" | vloss {r['vf_loss']:.4f} | ev {r['explained_variance']:.2f}" if "vf_loss" in r else ""
     return (f"it {r['step']:>4}/{steps} | reward {r['reward_mean']:.3f}{acc} | kl {r['kl']:.4f}"
-            f" | ent {r['entropy']:.3f}"
-            f" | clip {r['clipfrac']:.3f} | vloss {r['vf_loss']:.4f} | ev {r['explained_variance']:.2f}"
+            f" | ent {r['entropy']:.3f} | clip {r['clipfrac']:.3f}{critic}"
             f" | len {r['response_length']:.1f} | gen {r['gen_tokens_per_s']:.0f} tok/s"
             f" | train {r['train_tokens_per_s']:.0f} tok/s | idle {r['trainer_idle_frac']:.0%} | {r['iter_s']:.2f}s")
 
@@ -1897,7 +2033,8 @@ def iteration_record(step, batch: Rollout, kl, stats: dict, cfg: Config, lr, ite
             "kl": float(kl.sum(-1).mean()),
             "kl_per_token": float(masked_mean(kl, batch.response_mask)),
             **stats,  # ppo_update's losses, clip fractions, approx_kl, entropy, grad norms
-            "explained_variance": float(explained_variance(batch.values, batch.returns, batch.response_mask)),
+            **({} if batch.returns is None else  # (no critic: grpo / rloo)
+               {"explained_variance": float(explained_variance(batch.values, batch.returns, batch.response_mask))}),
             "response_length": response_tokens / B,
             "response_tokens": response_tokens,
             # the share of a padded (B, P + T) forward that is padding: what --micro-batch-tokens does not compute
@@ -1918,7 +2055,9 @@ def iteration_record(step, batch: Rollout, kl, stats: dict, cfg: Config, lr, ite
 
 # How reduce_record combines a logged scalar over the ranks: summed (token counts and throughputs), maxed (maxima),
 # any other averaged (every rank holds as many rows, so row means average exactly; token means average the ranks').
-SUMMED_METRICS = ("response_tokens", "tokens_dropped", "gen_tokens_per_s", "train_tokens_per_s", "tokens_per_s")
+SUMMED_METRICS = ("response_tokens", "tokens_dropped", "gen_tokens_per_s", "train_tokens_per_s", "tokens_per_s",
+                  "zero_std_groups")
+
 MAXED_METRICS = ("staleness_max", "is_weight_max", "behav_prox_max_diff", "first_ratio_max_dev")
 
 
@@ -2150,6 +2289,7 @@ def check_config(cfg: Config):
     demo = not cfg.model and not cfg.prompts
     if cfg.response_length == 0:
         cfg.response_length = 4 if demo else 128
+
     world = int(os.environ.get("WORLD_SIZE", "1"))  # under torchrun --batch-size is global; each rank takes 1/world
     ranks = f" x {world} ranks (torchrun's WORLD_SIZE)" if world > 1 else ""
     minibatch_size = cfg.batch_size // max(1, cfg.minibatches * world)  # per rank
@@ -2158,7 +2298,25 @@ def check_config(cfg: Config):
                f"--is-mode must be truncate or mask and --is-cap >= 1 (got {cfg.is_mode!r}, {cfg.is_cap})"),
               (cfg.temperature > 0,
                f"--temperature must be > 0 (got {cfg.temperature}); for near-greedy use e.g. 0.05"),
-              (cfg.kl_estimator in ("k1", "k3"), f"--kl-estimator must be k1 or k3 (got {cfg.kl_estimator!r})"),
+              (cfg.kl_estimator in ("k1", "k2", "k3"),
+               f"--kl-estimator must be k1, k2 or k3 (got {cfg.kl_estimator!r})"),
+              (cfg.kl_in in ("reward", "loss"), f"--kl-in must be reward or loss (got {cfg.kl_in!r})"),
+              (cfg.advantage in ("gae", "grpo", "rloo"),
+               f"--advantage must be gae, grpo or rloo (got {cfg.advantage!r})"),
+              (cfg.advantage == "gae" or cfg.samples_per_prompt >= 2,
+               f"--advantage {cfg.advantage} compares the completions of a prompt: --samples-per-prompt must be >= 2 "
+               f"(got {cfg.samples_per_prompt}); e.g. 8"),
+              (cfg.samples_per_prompt >= 2 or not cfg.drop_flat_groups,
+               "--drop-flat-groups needs groups: --samples-per-prompt >= 2"),
+              (cfg.scale_rewards in ("group", "batch", "none"),
+               f"--scale-rewards must be group, batch or none (got {cfg.scale_rewards!r})"),
+              (cfg.loss_agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
+               f"--loss-agg must be token-mean, seq-mean-token-mean or seq-mean-token-sum-norm (got {cfg.loss_agg!r})"),
+              (cfg.clip_range_high >= 0,
+               f"--clip-range-high must be >= 0 (got {cfg.clip_range_high}); 0 = --clip-range"),
+              (cfg.samples_per_prompt < 1 or cfg.batch_size % (cfg.samples_per_prompt * world) == 0,
+               f"--batch-size {cfg.batch_size} must be divisible by --samples-per-prompt {cfg.samples_per_prompt}"
+               f"{ranks} (each rank holds whole groups)"),
               (cfg.dtype in ("float32", "bfloat16"), f"--dtype must be float32 or bfloat16 (got {cfg.dtype!r})"),
               (not (cfg.reward and cfg.reward_model), "give either --reward or --reward-model, not both"),
               (demo or cfg.reward or cfg.reward_model or cfg.bench_rollout,  # (the benchmark scores nothing)
@@ -2186,6 +2344,8 @@ def check_config(cfg: Config):
                f"--device {cfg.device}: CUDA is not available here; use --device cpu")]
     checks += [(getattr(cfg, n) >= 1, f"--{n.replace('_', '-')} must be >= 1 (got {getattr(cfg, n)})")
                for n in ("steps", "batch_size", "response_length", "ppo_epochs", "minibatches", "eval_every",
+                         "samples_per_prompt",
+
                          "keep_checkpoints", "max_bad_steps")]
     checks += [(cfg.minibatches < 1 or cfg.batch_size % (cfg.minibatches * world) == 0,
                 f"--batch-size {cfg.batch_size} must be divisible by --minibatches {cfg.minibatches}{ranks}"),

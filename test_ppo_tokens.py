@@ -14,6 +14,7 @@ os.environ["PPO_TOKENS_STRICT"] = "1"  # a fast path that falls back is an error
 import json
 import math
 import re
+import statistics
 import subprocess
 import sys
 import threading
@@ -469,35 +470,90 @@ def test_importance_weights_are_exactly_one_for_fresh_tokens_and_version_rejecti
     assert capped.any() and (batch.is_weight[capped] == 0).all()
 
 
+def test_group_advantages_grpo_rloo_and_dr_grpo_against_float64_loops():
+    torch.manual_seed(0)
+    n, groups = 4, 3
+    s = torch.randn(groups * n, dtype=torch.float64)
+    s[n:2 * n] = 0.5  # a flat group: every completion scored the same
+    grpo, rloo = pt.group_advantages(s, n, "grpo"), pt.group_advantages(s, n, "rloo")
+    dr_grpo, batch_scaled = pt.group_advantages(s, n, "grpo", "none"), pt.group_advantages(s, n, "grpo", "batch")
+    batch_std = statistics.stdev(s.tolist())
+    for g in range(groups):
+        x = s[g * n:(g + 1) * n].tolist()
+        mean, std = sum(x) / n, statistics.stdev(x)  # the unbiased std, as TRL and verl
+        for i in range(n):
+            k = g * n + i
+            assert abs(float(grpo[k]) - (x[i] - mean) / (std + 1e-6)) < 1e-12
+            assert abs(float(rloo[k]) - (x[i] - (sum(x) - x[i]) / (n - 1))) < 1e-12  # minus the others' mean
+            assert abs(float(dr_grpo[k]) - (x[i] - mean)) < 1e-12
+            assert abs(float(batch_scaled[k]) - (x[i] - mean) / (batch_std + 1e-6)) < 1e-12
+    assert (grpo[n:2 * n] == 0).all() and (rloo[n:2 * n] == 0).all()  # a flat group carries no signal
+    assert pt.flat_groups(s, n).tolist() == [False] * n + [True] * n + [False] * n
+
+
+def test_critic_free_scoring_gives_each_token_its_completions_advantage_and_drops_flat_groups(tokenizer):
+    cfg, policy, reference, _, batch = tiny_setup(tokenizer, advantage="rloo", samples_per_prompt=4,
+                                                  drop_flat_groups=True)
+    assert cfg.kl_in == "loss" and cfg.kl_estimator == "k3"  # critic-free defaults: GRPO's KL term
+    scores = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0])  # the second group is flat
+    score(batch, policy, reference, None, lambda b: scores, cfg)
+    mask = batch.response_mask.bool()
+    torch.testing.assert_close(batch.rewards.sum(-1), scores)  # no KL in the rewards
+    expected = pt.group_advantages(scores, 4, "rloo")
+    assert torch.equal(batch.advantages, torch.where(mask, expected[:, None], 0.0))
+    assert batch.returns is None and batch.correction["zero_std_groups"] == 1
+    assert not batch.loss_mask[4:].any() and torch.equal(batch.loss_mask[:4].bool(), mask[:4])
+
+
+def test_mismatch_correction_weights_fresh_tokens_too_and_logs_the_mismatch(tokenizer):
+    cfg, policy, reference, critic, batch = tiny_setup(tokenizer, mismatch_correction=True, is_cap=1.5)
+    batch.behav_logprobs = batch.behav_logprobs + 0.3 * torch.randn_like(batch.behav_logprobs)  # other numerics
+    pt.score_frozen(batch, reference, constant_reward(1.0), cfg)
+    pt.score_trainer(batch, policy, critic, cfg, version=0)  # every token fresh (version 0)
+    mask = batch.response_mask.bool()
+    log_ratio = (batch.old_logprobs - batch.behav_logprobs).double()[mask]
+    torch.testing.assert_close(batch.is_weight[mask].double(), log_ratio.exp().clamp(max=1.5))
+    c = batch.correction
+    assert math.isclose(c["behav_prox_mean_diff"], float(log_ratio.abs().mean()), rel_tol=1e-5)
+    assert math.isclose(c["behav_prox_max_diff"], float(log_ratio.abs().max()), rel_tol=1e-5)
+    assert math.isclose(c["behav_prox_kl"], float((log_ratio.exp() - 1 - log_ratio).mean()), rel_tol=1e-4)
+    assert 0 < c["is_capped_frac"] == pytest.approx(float((log_ratio.exp() > 1.5).double().mean()))
+    cfg.mismatch_correction = False
+    pt.score_trainer(batch, policy, critic, cfg, version=0)
+    assert (batch.is_weight[mask] == 1.0).all()  # without the flag a fresh token's weight is exactly 1
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # the losses: policy loss, value loss, explained variance, loss denominators, the decoupled loss
 
 
-def test_policy_loss_equals_textbook_formula():
+@pytest.mark.parametrize("eps_high", [0.0, 0.28])  # 0: --clip-range; 0.28: DAPO's clip-higher
+def test_policy_loss_equals_textbook_formula(eps_high):
     torch.manual_seed(0)
     B, T, eps = 5, 7, 0.2
+    high = eps_high or eps
     logp = torch.randn(B, T, dtype=torch.float64) * 0.3
     old = logp + torch.randn(B, T, dtype=torch.float64) * 0.3
     adv = torch.randn(B, T, dtype=torch.float64)
     mask = (torch.rand(B, T) > 0.3).long()
     mask[:, 0] = 1
-    loss, stats = pt.policy_loss(logp, old, adv, mask, eps)
-    # textbook (Schulman et al. 2017, eq. 7), element by element: maximise min(r A, clip(r, 1-e, 1+e) A)
+    loss, stats = pt.policy_loss(logp, old, adv, mask, eps, clip_range_high=eps_high)
+    # textbook (Schulman et al. 2017, eq. 7), element by element: maximise min(r A, clip(r, 1-e, 1+e_high) A)
     terms, clipped, kls = [], [], []
     for b in range(B):
         for t in range(T):
             if mask[b, t]:
                 r = math.exp(logp[b, t] - old[b, t])
                 a = float(adv[b, t])
-                terms.append(min(r * a, min(max(r, 1 - eps), 1 + eps) * a))
-                clipped.append(float(min(max(r, 1 - eps), 1 + eps) * a < r * a))
+                terms.append(min(r * a, min(max(r, 1 - eps), 1 + high) * a))
+                clipped.append(float(min(max(r, 1 - eps), 1 + high) * a < r * a))
                 kls.append((r - 1) - math.log(r))
     assert abs(float(loss) - (-sum(terms) / len(terms))) < 1e-12
     assert abs(float(stats["clipfrac"]) - sum(clipped) / len(clipped)) < 1e-12
     assert abs(float(stats["approx_kl"]) - sum(kls) / len(kls)) < 1e-12
     # a micro-batch's share: sum over its tokens / the minibatch's token count
-    half_loss, _ = pt.policy_loss(logp[:2], old[:2], adv[:2], mask[:2], eps, n_tokens=mask.sum())
-    rest_loss, _ = pt.policy_loss(logp[2:], old[2:], adv[2:], mask[2:], eps, n_tokens=mask.sum())
+    half_loss, _ = pt.policy_loss(logp[:2], old[:2], adv[:2], mask[:2], eps, mask.sum(), None, eps_high)
+    rest_loss, _ = pt.policy_loss(logp[2:], old[2:], adv[2:], mask[2:], eps, mask.sum(), None, eps_high)
     torch.testing.assert_close(half_loss + rest_loss, loss)
 
 
@@ -547,6 +603,52 @@ def test_decoupled_loss_with_fresh_tokens_is_standard_ppo_to_the_bit():
     torch.testing.assert_close(half, standard / 2)
 
 
+def test_k2_is_half_the_squared_log_ratio_and_its_expected_gradient_is_the_kls():
+    logp, ref = torch.randn(1000, dtype=torch.float64), torch.randn(1000, dtype=torch.float64)
+    torch.testing.assert_close(pt.kl_estimate(logp, ref, "k2"), 0.5 * (logp - ref) ** 2)
+    # exactly, for a categorical policy p_theta: E_{x~p}[grad k2(x)] = grad KL(p || q); E[grad k1(x)] = 0
+    theta = torch.randn(6, dtype=torch.float64, requires_grad=True)
+    q = torch.softmax(torch.randn(6, dtype=torch.float64), 0)
+    logp_all = torch.log_softmax(theta, 0)
+    p = logp_all.exp().detach()  # the sampling distribution: no gradient through it
+    (grad_kl,) = torch.autograd.grad((logp_all.exp() * (logp_all - q.log())).sum(), theta, retain_graph=True)
+    (grad_k2,) = torch.autograd.grad((p * pt.kl_estimate(logp_all, q.log(), "k2")).sum(), theta, retain_graph=True)
+    (grad_k1,) = torch.autograd.grad((p * pt.kl_estimate(logp_all, q.log(), "k1")).sum(), theta)
+    torch.testing.assert_close(grad_k2, grad_kl)
+    assert grad_kl.abs().max() > 1e-3 and grad_k1.abs().max() < 1e-12
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_loss_aggregation_modes_against_float64_references(agg):
+    torch.manual_seed(1)
+    B, T = 6, 5
+    logp = torch.randn(B, T, dtype=torch.float64) * 0.3
+    old = logp + torch.randn(B, T, dtype=torch.float64) * 0.3
+    adv = torch.randn(B, T, dtype=torch.float64)
+    lengths = [5, 1, 3, 0, 4, 2]  # a row without a loss token counts as no sequence
+    mask = (torch.arange(T)[None] < torch.tensor(lengths)[:, None]).long()
+    cfg = pt.Config(loss_agg=agg, response_length=T)
+    tokens, denominators, row_weight = pt.loss_denominators(SimpleNamespace(loss_mask=mask), [torch.arange(B)], cfg)
+
+    def loss(rows):  # one micro-batch's share
+        weight = None if row_weight is None else row_weight[rows][:, None]
+        return pt.policy_loss(logp[rows], old[rows], adv[rows], mask[rows], 0.2, tokens[0], None, 0.0, weight,
+                              denominators[0])[0]
+    seqs = []
+    for b in range(B):
+        terms = []
+        for t in range(lengths[b]):
+            r, a = math.exp(logp[b, t] - old[b, t]), float(adv[b, t])
+            terms.append(-min(r * a, min(max(r, 0.8), 1.2) * a))
+        if terms:
+            seqs.append(terms)
+    expected = {"token-mean": sum(map(sum, seqs)) / sum(map(len, seqs)),
+                "seq-mean-token-mean": sum(sum(s) / len(s) for s in seqs) / len(seqs),
+                "seq-mean-token-sum-norm": sum(sum(s) / T for s in seqs) / len(seqs)}[agg]
+    assert math.isclose(float(loss(torch.arange(B))), expected, rel_tol=1e-6)
+    assert math.isclose(float(loss(torch.arange(3)) + loss(torch.arange(3, B))), expected, rel_tol=1e-6)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # the update: the first minibatch's ratio, micro-batches, clipping, AdamW and the lr decay, token budgets, packing,
 # gradient checkpointing and bf16, non-finite loss skips
@@ -562,11 +664,13 @@ def test_ratio_is_exactly_one_on_the_first_minibatch(tokenizer):
     assert stats["approx_kl"] > 0  # the later minibatches did move the policy
 
 
-def sgd_update(tokenizer, prepare=None, **cfg_overrides):  # one ppo_update with plain SGD (lr 1): the step is the gradient
-    """Returns (stats, the policy's step, the critic's step)."""
+def sgd_update(tokenizer, prepare=None, edit_batch=None, **cfg_overrides):  # one ppo_update with plain SGD (lr 1)
+    """The step is the gradient. Returns (stats, the policy's step, the critic's step)."""
     cfg, policy, reference, critic, batch = tiny_setup(tokenizer, **cfg_overrides)
     if prepare is not None:
         prepare(policy, critic)
+    if edit_batch is not None:
+        edit_batch(batch)
     orders = [torch.randperm(8, generator=torch.Generator().manual_seed(0)) for _ in range(cfg.ppo_epochs)]
     score(batch, policy, reference, critic, lambda b: torch.arange(8.0), cfg, orders[0])
     before = [[p.detach().clone() for p in m.parameters()] for m in (policy, critic)]
@@ -582,6 +686,38 @@ def test_micro_batch_accumulation_gives_the_minibatch_gradient(tokenizer):
     for a, b in zip(whole + whole_critic, micro + micro_critic):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
     assert max(float(a.abs().max()) for a in whole) > 1e-4 and max(float(a.abs().max()) for a in whole_critic) > 1e-4
+
+
+def shorten(batch):  # completions of 1 to 4 tokens: the sequence means then differ from the token mean
+    for row, n in enumerate([4, 1, 3, 2, 4, 1, 2, 3]):
+        batch.response_mask[row, n:] = 0
+
+
+@pytest.mark.parametrize("agg", ["seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_loss_aggregation_is_the_same_however_the_minibatch_is_split(tokenizer, agg):
+    no_clip = dict(ppo_epochs=1, minibatches=1, max_grad_norm=1e9, loss_agg=agg)
+    (stats, whole, whole_critic), *splits = [sgd_update(tokenizer, edit_batch=shorten, micro_batch_size=m, **no_clip)
+                                             for m in (0, 4, 2)]  # one micro-batch, two, four
+    for split_stats, step, critic_step in splits:
+        for a, b in zip(whole + whole_critic, step + critic_step):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+        assert math.isclose(split_stats["pg_loss"], stats["pg_loss"], rel_tol=1e-5, abs_tol=1e-7)
+    _, token_mean, _ = sgd_update(tokenizer, edit_batch=shorten, **{**no_clip, "loss_agg": "token-mean"})
+    assert not all(torch.allclose(a, b) for a, b in zip(token_mean, whole))  # the mode does change the step
+
+
+def test_critic_free_update_trains_the_policy_alone_with_the_kl_in_its_loss(tokenizer):
+    cfg, policy, reference, _, batch = tiny_setup(tokenizer, advantage="grpo", samples_per_prompt=4, ppo_epochs=1,
+                                                  minibatches=1, kl_coef=0.5)
+    score(batch, policy, reference, None, lambda b: torch.arange(8.0), cfg)
+    before = [p.detach().clone() for p in policy.parameters()]
+    stats = pt.ppo_update(policy, None, torch.optim.SGD(policy.parameters(), lr=1.0), None, batch, cfg,
+                          [torch.arange(8)])
+    assert not any(k in stats for k in ("vf_loss", "vf_clipfrac", "critic_grad_norm"))
+    mask = batch.response_mask.bool()  # the first minibatch: logprobs == old_logprobs
+    k3 = pt.kl_estimate(batch.old_logprobs, batch.ref_logprobs, "k3")[mask]
+    assert math.isclose(stats["kl_loss"], float(k3.mean()), rel_tol=1e-5) and stats["kl_loss"] > 0
+    assert any(not torch.equal(a, b) for a, b in zip(before, policy.parameters()))
 
 
 def test_gradient_clipping_bounds_each_step(tokenizer):
@@ -941,6 +1077,31 @@ def test_sampler_errors_and_sigterm_stop_the_run_without_a_hung_thread(tmp_path,
     assert state["step"] >= 2 and not any(t.name == "ppo_tokens-sampler" for t in threading.enumerate())
 
 
+def test_critic_free_runs_sample_groups_hold_no_critic_and_resume_to_the_same_weights(tmp_path):
+    from safetensors.torch import load_file
+    (tmp_path / "grouped.py").write_text(
+        "import os, signal\ncalls = 0\ndef score(prompts, completions):\n    global calls\n    calls += 1\n"
+        "    assert all(p == prompts[i - i % 4] for i, p in enumerate(prompts)), prompts  # groups of 4\n"
+        "    assert len(set(prompts)) == len(prompts) // 4, prompts\n"
+        "    if calls == int(os.environ.get('KILL_AT', '0')):\n        os.kill(os.getpid(), signal.SIGKILL)\n"
+        "    return [c.count('1') / 4 for c in completions]\n")
+    args = [a if a != "count_ones:score" else "grouped:score" for a in LOOP]
+    args += ["--advantage", "grpo", "--samples-per-prompt", "4", "--save-every", "1"]
+    out = run_script([*args, "--output-dir", str(tmp_path / "full")], tmp_path)
+    assert "no critic (--advantage grpo)" in out and "trainable parameters: " in out
+    killed = run_raw([*args, "--output-dir", str(tmp_path / "part")], tmp_path, KILL_AT="3")  # in iteration 3
+    assert killed.returncode == -9
+    run_script(["--resume", str(tmp_path / "part")], tmp_path)
+    full, part = load_file(tmp_path / "full/policy/model.safetensors"), load_file(tmp_path / "part/policy/model.safetensors")
+    assert full.keys() == part.keys() and all(torch.equal(full[k], part[k]) for k in full)
+    checkpoint = pt.checkpoints(tmp_path / "full")[-1]
+    assert not os.path.exists(os.path.join(checkpoint, "critic.pt"))
+    assert len(torch.load(os.path.join(checkpoint, "trainer_state.pt"))["optimizers"]) == 1
+    records = [r for r in read_metrics(tmp_path / "full") if r["step"] > 0]
+    assert all("vf_loss" not in r and "explained_variance" not in r for r in records)
+    assert all(r["kl_loss"] >= 0 and r["zero_std_groups"] >= 0 for r in records)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # PLUMBING, as in ppo_tokens.py: set-up and models (dropout off, the critic's start, hybrid models, the fast sampler
 # against the plain loop, grouped decode attention, flash-attn detection)
@@ -1224,15 +1385,22 @@ def digests(out):  # the per-rank checksums of the actor weights the run prints 
     return line.split(": ")[1].split()
 
 
-def first_iteration(world: int, rank: int):
+LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def first_iteration(world: int, rank: int, loss_agg="token-mean"):
     """One scoring pass and one PPO update (SGD, 1 minibatch of 2-row micro-batches) on this rank's share of a fixed
-    batch of 8 rollouts, with DDP under torchrun. Returns (all-rank advantages, reduced stats, actor weights)."""
+    batch of 8 rollouts, with DDP under torchrun. Returns (all-rank advantages, reduced stats, actor weights).
+    The sequence-mean --loss-agg modes get completions of unequal lengths."""
     tokenizer, cfg = pt.build_demo_tokenizer(), pt.Config(batch_size=8, minibatches=1, ppo_epochs=1, response_length=4,
-                                                          micro_batch_size=2, whiten_scores=True)
+                                                          micro_batch_size=2, whiten_scores=True, loss_agg=loss_agg)
     policy = tiny_llama(len(tokenizer), seed=4, dtype=torch.float32)
     reference = tiny_llama(len(tokenizer), seed=5, dtype=torch.float32).requires_grad_(False)
     texts = [f"{a}+{b}=" for a, b in [(1, 2), (37, 45), (9, 90), (5, 5), (12, 3), (0, 0), (99, 99), (50, 7)]]
-    batch = demo_rollout(tokenizer, policy, texts).rows(torch.arange(rank * 8 // world, (rank + 1) * 8 // world))
+    batch = demo_rollout(tokenizer, policy, texts)
+    if loss_agg != "token-mean":
+        shorten(batch)
+    batch = batch.rows(torch.arange(rank * 8 // world, (rank + 1) * 8 // world))
     actor, critic = (pt.wrap_for_training(m, cfg) for m in (pt.Actor(policy, 1.0), pt.build_critic(policy)))
     pt.score_frozen(batch, reference, lambda b: (b.response % 3 == 0).float().sum(-1), cfg)
     pt.score_trainer(batch, actor, critic, cfg, torch.arange(8 // world))
@@ -1247,13 +1415,31 @@ def first_iteration(world: int, rank: int):
 def test_whitening_and_the_first_update_do_not_depend_on_the_world_size(tmp_path):
     torchrun([os.path.abspath(__file__), str(tmp_path / "world2.pt")], tmp_path)
     advantages, stats, weights = first_iteration(1, 0)
-    two = torch.load(tmp_path / "world2.pt")
+    two = torch.load(tmp_path / "world2.pt")["token-mean"]
     torch.testing.assert_close(two["advantages"], advantages, rtol=1e-5, atol=1e-6)  # whitened over both ranks
     assert abs(float(two["advantages"][:4][two["advantages"][:4] != 0].mean())) > 1e-3  # not whitened per rank
     for key in ("pg_loss", "vf_loss", "entropy", "clipfrac", "approx_kl", "grad_norm", "critic_grad_norm"):
         assert math.isclose(two["stats"][key], stats[key], rel_tol=1e-4, abs_tol=1e-6), (key, two["stats"][key], stats[key])
     for a, b in zip(two["weights"], weights):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    for agg in LOSS_AGGS[1:]:  # the same step from one rank as from two, micro-batches of 2 rows on each
+        _, stats, weights = first_iteration(1, 0, agg)
+        two = torch.load(tmp_path / "world2.pt")[agg]
+        assert math.isclose(two["stats"]["pg_loss"], stats["pg_loss"], rel_tol=1e-4, abs_tol=1e-6), agg
+        for a, b in zip(two["weights"], weights):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_torchrun_critic_free_ddp_and_fsdp2_train_and_resume(tmp_path):
+    write_reward_module(tmp_path)
+    base = [SCRIPT, *LOOP, "--steps", "3", "--save-every", "2", "--samples-per-prompt", "4", "--micro-batch-size", "2"]
+    for advantage, sharding in (("rloo", []), ("grpo", ["--fsdp"])):
+        out_dir = tmp_path / advantage
+        full = digests(torchrun([*base, "--advantage", advantage, *sharding, "--output-dir", str(out_dir)],
+                                tmp_path).stdout)
+        assert full[0] == full[1] and not (out_dir / "checkpoints/step-00000003/critic.pt").exists()
+        resumed = torchrun([SCRIPT, "--resume", str(pt.checkpoints(out_dir)[0])], tmp_path).stdout
+        assert "step-00000002 after iteration 2/3" in resumed and digests(resumed) == full, advantage
 
 
 def test_torchrun_two_ranks_ddp_and_fsdp2_train_resume_and_stay_identical(tmp_path):
@@ -1321,7 +1507,16 @@ def test_config_errors_name_the_flags(capsys):
              (["--temperature", "0"], "--temperature must be > 0"),
              (["--max-staleness", "-1"], "--max-staleness must be >= 0"),
              (["--is-mode", "clip"], "--is-mode must be truncate or mask"),
-             (["--kl-estimator", "k2"], "--kl-estimator must be k1 or k3")]
+             (["--kl-estimator", "k4"], "--kl-estimator must be k1, k2 or k3"),
+             (["--kl-in", "both"], "--kl-in must be reward or loss"),
+             (["--advantage", "ppo"], "--advantage must be gae, grpo or rloo"),
+             (["--advantage", "grpo"], "--advantage grpo compares the completions of a prompt: --samples-per-prompt"),
+             (["--batch-size", "12", "--minibatches", "2", "--samples-per-prompt", "8"],
+              "--batch-size 12 must be divisible by --samples-per-prompt 8"),
+             (["--drop-flat-groups"], "--drop-flat-groups needs groups: --samples-per-prompt >= 2"),
+             (["--scale-rewards", "std"], "--scale-rewards must be group, batch or none"),
+             (["--loss-agg", "seq-mean"], "--loss-agg must be token-mean, seq-mean-token-mean or"),
+             (["--clip-range-high", "-0.1"], "--clip-range-high must be >= 0")]
     if not torch.cuda.is_available():
         cases.append((["--device", "cuda"], "--device cuda: CUDA is not available here; use --device cpu"))
     for argv, message in cases:
@@ -1856,7 +2051,10 @@ def test_cuda_triton_kernels_at_full_scale_against_float64(monkeypatch):
 if __name__ == "__main__":  # torchrun test_ppo_tokens.py OUT: the two-rank half of
     # test_whitening_and_the_first_update_do_not_depend_on_the_world_size
     ctx = pt.init_distributed(pt.Config(device="cpu"))
-    advantages, stats, weights = first_iteration(ctx.world, ctx.rank)
+    results = {}
+    for agg in LOSS_AGGS:
+        advantages, stats, weights = first_iteration(ctx.world, ctx.rank, agg)
+        results[agg] = {"advantages": advantages, "stats": stats, "weights": weights}
     if ctx.rank == 0:
-        torch.save({"advantages": advantages, "stats": stats, "weights": weights}, sys.argv[1])
+        torch.save(results, sys.argv[1])
     torch.distributed.destroy_process_group()
