@@ -211,8 +211,8 @@ class Rollout:
     raw_scores: torch.Tensor = None  # (B,) sequence score of the reward model / function
     scores: torch.Tensor = None  # (B,) the same after the missing-EOS penalty and (--whiten-scores) whitening
     rewards: torch.Tensor = None  # (B, T) per-token reward: -kl_coef * kl_t, plus the score on the last real token
-    advantages: torch.Tensor = None  # (B, T) GAE advantages, whitened over real tokens
-    returns: torch.Tensor = None  # (B, T) advantages + values (before whitening): the critic's targets
+    advantages: torch.Tensor = None  # (B, T) GAE advantages, whitened over real tokens (or group_advantages)
+    returns: torch.Tensor = None  # (B, T) advantages + values (before whitening): the critic's targets (gae only)
     is_weight: torch.Tensor = None  # (B, T) decoupled-PPO importance weight of each token (exactly 1 when fresh)
     loss_mask: torch.Tensor = None  # (B, T) response_mask minus the tokens rejected as too old
     correction: dict = None  # staleness / importance-weight statistics of this batch, for the log
@@ -450,7 +450,8 @@ def masked_whiten(x, mask):
 def kl_estimate(logprobs, ref_logprobs, estimator: str):
     """Per-token estimators of KL(pi || ref) from samples of pi (Schulman, "Approximating KL Divergence", 2020), with
     log r = ref_logprob - logprob:  k1 = -log r (unbiased, can be negative),  k3 = (r - 1) - log r (unbiased, >= 0),
-    k2 = (log r)^2 / 2 (biased, >= 0; in the loss its expected gradient is the KL's: E[grad k2] = grad KL)."""
+    k2 = (log r)^2 / 2 (biased, >= 0). As a loss term (--kl-in loss), on samples of pi: E[grad k2] = grad KL(pi || ref),
+    E[grad k3] = grad KL(ref || pi) (GRPO's choice), E[grad k1] = 0."""
     log_ratio = ref_logprobs - logprobs
     if estimator == "k1":
         return -log_ratio
@@ -541,6 +542,7 @@ def score_trainer(batch: Rollout, policy, critic, cfg: Config, row_order=None, v
         batch.correction["zero_std_groups"] = int(flat.sum()) // cfg.samples_per_prompt
         if cfg.drop_flat_groups:
             batch.loss_mask = batch.loss_mask * ~flat[:, None]
+            batch.correction["tokens_dropped"] = int((mask & ~batch.loss_mask.bool()).sum())
     return kl
 
 
@@ -656,62 +658,78 @@ def ppo_update(policy, critic, policy_opt, critic_opt, batch: Rollout, cfg: Conf
     optimizers = [o for o in (policy_opt, critic_opt) if o is not None]
     minibatches = [rows for order in row_orders[:cfg.ppo_epochs]
                    for rows in order.to(batch.response.device).split(minibatch_size)]  # epoch by epoch
-    tokens, denominators, row_weight = loss_denominators(batch, minibatches, cfg)
-    device = batch.response.device
+    tokens, denominators, row_weight, empty = loss_denominators(batch, minibatches, cfg)
     for i, micro_rows in enumerate(micro_batch_rows(batch, minibatches, cfg, ranks_agree=True)):
         epoch, minibatch = divmod(i, cfg.minibatches)
-        mb_tokens = tokens[i]
         for j, rows in enumerate(micro_rows):
             with gradient_sync(models, enabled=j == len(micro_rows) - 1):
-                mb = batch.rows(rows)
                 token_weight = None if row_weight is None else row_weight[rows][:, None]  # (b, 1)
-                loss_share = functools.partial(aggregate, mask=mb.loss_mask, denom=denominators[i],
-                                               token_weight=token_weight)
-                inputs = model_inputs(mb, cfg)  # packed once for both models
-                with autocast(cfg, device):
-                    logprobs, entropy = rollout_logprobs(policy, mb, cfg, inputs)
-                pg_loss, pg_stats = policy_loss(logprobs, mb.old_logprobs, mb.advantages, mb.loss_mask,
-                                                cfg.clip_range, mb_tokens, mb.is_weight, cfg.clip_range_high,
-                                                token_weight, denominators[i])
-                entropy_mean = masked_mean(entropy, mb.loss_mask, mb_tokens)  # (logged: a token mean)
-                objective = pg_loss - cfg.entropy_coef * loss_share(entropy)
-                kl_stats, vf_loss_stats, vf_stats = {}, {}, {}
-                if cfg.kl_in == "loss":  # GRPO's KL term, with the gradient through the policy's log-probs
-                    kl_stats["kl_loss"] = loss_share(kl_estimate(logprobs, mb.ref_logprobs, cfg.kl_estimator))
-                    objective = objective + cfg.kl_coef * kl_stats["kl_loss"]
-                objective.backward()
-                if critic is not None:
-                    with autocast(cfg, device):
-                        values = critic_values(critic, mb, inputs)
-                    vf_loss, vf_stats = value_loss(values, mb.values, mb.returns, mb.loss_mask, cfg.value_clip_range,
-                                                   mb_tokens, token_weight, denominators[i])
-                    vf_loss.backward()
-                    vf_loss_stats["vf_loss"] = vf_loss
-            ratio_max_dev = pg_stats.pop("ratio_max_dev")
+                step_stats = micro_step(policy, critic, batch.rows(rows), cfg, tokens[i], denominators[i],
+                                        token_weight)
+            ratio_max_dev = step_stats.pop("ratio_max_dev")
             if n_steps == 0:  # the first minibatch: the weights are the ones scoring used, so this must be 0
                 first_ratio_max_dev = torch.maximum(first_ratio_max_dev, ratio_max_dev)
-            step_stats = {"pg_loss": pg_loss, **vf_loss_stats, "entropy": entropy_mean, **pg_stats, **vf_stats,
-                          **kl_stats}
             for k, v in step_stats.items():  # micro-batch shares add up to minibatch means; .item() only at the end
                 sums[k] = sums.get(k, 0.0) + v.detach()
-        norms = [torch.nn.utils.clip_grad_norm_(m.parameters(), cfg.max_grad_norm) for m in models]
-        norms = [getattr(n, "full_tensor", lambda: n)() for n in norms]  # FSDP2 returns a DTensor
-        losses = [sums["pg_loss"]] + ([sums["vf_loss"]] if critic is not None else [])
-        finite = torch.isfinite(torch.stack([*losses, *norms])).tolist()  # one sync
-        if any_rank(not all(finite), norms[0].device):
+        if empty[i]:  # not a loss token on any rank (all dropped): no optimizer step, as if it were not there
             for optimizer in optimizers:
                 optimizer.zero_grad(set_to_none=True)
-            names = ["policy loss", "value loss"][:len(losses)] + ["policy grad norm", "critic grad norm"][:len(norms)]
-            what = [n for n, ok in zip(names, finite) if not ok] or ["loss on another rank"]
-            return {"nonfinite": f"{', '.join(what)} at epoch {epoch + 1} minibatch {minibatch + 1} (after {n_steps} "
-                                 "finite steps)"}
+            continue
+        norms = [torch.nn.utils.clip_grad_norm_(m.parameters(), cfg.max_grad_norm) for m in models]
+        norms = [getattr(n, "full_tensor", lambda: n)() for n in norms]  # FSDP2 returns a DTensor
+        problem = nonfinite_step([sums["pg_loss"]] + ([sums["vf_loss"]] if critic is not None else []), norms)
+        if problem is not None:
+            for optimizer in optimizers:
+                optimizer.zero_grad(set_to_none=True)
+            return {"nonfinite": f"{problem} at epoch {epoch + 1} minibatch {minibatch + 1} (after {n_steps} finite "
+                                 "steps)"}
         for name, norm in zip(("grad_norm", "critic_grad_norm"), norms):
             sums[name] = sums.get(name, 0.0) + norm
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         n_steps += 1
-    return {**{k: float(v) / n_steps for k, v in sums.items()}, "first_ratio_max_dev": float(first_ratio_max_dev)}
+    means = {k: float(v) / max(1, n_steps) for k, v in sums.items()}
+    return {**means, "first_ratio_max_dev": float(first_ratio_max_dev)}
+
+
+def micro_step(policy, critic, mb: Rollout, cfg: Config, n_tokens, loss_denom, token_weight=None) -> dict:
+    """One micro-batch's forward and backward: the policy's clipped loss (minus the entropy bonus; plus, with --kl-in
+    loss, kl_coef * the KL to the reference, its gradient through the policy's log-probs) and the critic's clipped
+    value loss, each as its share of the minibatch's loss. Returns the micro-batch's statistics (tensors)."""
+    loss_share = functools.partial(aggregate, mask=mb.loss_mask, denom=loss_denom, token_weight=token_weight)
+    inputs = model_inputs(mb, cfg)  # packed once for both models
+    with autocast(cfg, mb.response.device):
+        logprobs, entropy = rollout_logprobs(policy, mb, cfg, inputs)
+    pg_loss, pg_stats = policy_loss(logprobs, mb.old_logprobs, mb.advantages, mb.loss_mask, cfg.clip_range,
+                                    n_tokens, mb.is_weight, cfg.clip_range_high, token_weight, loss_denom)
+    entropy_mean = masked_mean(entropy, mb.loss_mask, n_tokens)  # (logged: a token mean)
+    objective = pg_loss - cfg.entropy_coef * loss_share(entropy)
+    kl_stats, vf_loss_stats, vf_stats = {}, {}, {}
+    if cfg.kl_in == "loss":  # GRPO's KL term
+        # clamped at 10 as verl's low_var_kl: k3's exp overflows where the policy left the reference far behind
+        kl_stats["kl_loss"] = loss_share(kl_estimate(logprobs, mb.ref_logprobs, cfg.kl_estimator).clamp(max=10))
+
+        objective = objective + cfg.kl_coef * kl_stats["kl_loss"]
+    objective.backward()
+    if critic is not None:
+        with autocast(cfg, mb.response.device):
+            values = critic_values(critic, mb, inputs)
+        vf_loss, vf_stats = value_loss(values, mb.values, mb.returns, mb.loss_mask, cfg.value_clip_range, n_tokens,
+                                       token_weight, loss_denom)
+        vf_loss.backward()
+        vf_loss_stats["vf_loss"] = vf_loss
+    return {"pg_loss": pg_loss, **vf_loss_stats, "entropy": entropy_mean, **pg_stats, **vf_stats, **kl_stats}
+
+
+def nonfinite_step(losses, norms):
+    """The non-finite guard of one optimizer step, decided by all ranks together: None, or which of the summed
+    losses (policy, value) and grad norms (policy, critic) is NaN or inf."""
+    finite = torch.isfinite(torch.stack([*losses, *norms])).tolist()  # one sync
+    if not any_rank(not all(finite), norms[0].device):
+        return None
+    names = ["policy loss", "value loss"][:len(losses)] + ["policy grad norm", "critic grad norm"][:len(norms)]
+    return ", ".join([n for n, ok in zip(names, finite) if not ok] or ["loss on another rank"])
 
 
 def loss_denominators(batch: Rollout, minibatches, cfg: Config):
@@ -719,18 +737,22 @@ def loss_denominators(batch: Rollout, minibatches, cfg: Config):
     tokens (token means: the logged statistics) and its loss's (--loss-agg): the tokens (token-mean); the sequences,
     each token weighted by 1 / its sequence's tokens (seq-mean-token-mean); the sequences x --response-length
     (seq-mean-token-sum-norm, Dr. GRPO: a constant, so a long answer's tokens weigh no less). A minibatch without a
-    token or sequence on any rank divides by 1, not 0. Returns (tokens (M,), loss denominators (M,), row weights (B,)
-    or None), so the loss is the same however the minibatch is split into micro-batches and ranks."""
+    token or sequence on any rank divides by 1, not 0, and is marked empty (ppo_update skips its step). Returns
+    (tokens (M,), loss denominators (M,), row weights (B,) or None, empty (M,) bools), so that the loss is the same
+    however the minibatch is split into micro-batches and ranks."""
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     lengths = batch.loss_mask.sum(1)  # (B,)
     counts = torch.stack([torch.stack([lengths[rows].sum(), (lengths[rows] > 0).sum()]) for rows in minibatches])
-    counts = all_reduce(counts).clamp(min=1) / world  # (M, 2)
+    counts = all_reduce(counts)  # (M, 2) over all ranks
+    empty = (counts[:, 0] == 0).tolist()
+    counts = counts.clamp(min=1) / world
     tokens, sequences = counts[:, 0], counts[:, 1]
     if cfg.loss_agg == "token-mean":
-        return tokens, tokens, None
+        return tokens, tokens, None, empty
     if cfg.loss_agg == "seq-mean-token-mean":
-        return tokens, sequences, 1.0 / lengths.clamp(min=1)
-    return tokens, sequences * cfg.response_length, None
+        return tokens, sequences, 1.0 / lengths.clamp(min=1), empty
+    return tokens, sequences * cfg.response_length, None, empty
+
 
 
 def aggregate(x, mask, denom, token_weight=None):  # a micro-batch's share of a minibatch's loss (loss_denominators)
@@ -1729,7 +1751,8 @@ def log_iteration(t: Training, step: int, batch: Rollout, kl, stats: dict, lr: f
     t.history.append(record)
     print(format_line(record, cfg.steps), flush=True)
     if cfg.sample_every and (step % cfg.sample_every == 0 or step == 1):
-        for p, c, s in zip(batch.prompts[:3], batch.completions[:3], batch.scores[:3].tolist()):
+        shown = range(0, min(len(batch.prompts), 3 * cfg.samples_per_prompt), cfg.samples_per_prompt)  # one a group
+        for p, c, s in ((batch.prompts[r], batch.completions[r], float(batch.scores[r])) for r in shown):
             print(f"    {p!r} -> {c!r}  (score {s:.2f})")
 
 
@@ -2225,8 +2248,9 @@ def bench_update(cfg: Config, run):  # part (2) of --bench-rollout: packed vs pa
         if layout == "packed":
             use_packed_attention(backbone_of(actor), cfg.bf16)
             use_packed_attention(backbone_of(reference.policy), cfg.bf16)
-        critic = build_critic(actor)
-        for model in (actor, critic) if cfg.gradient_checkpointing else ():
+        critic = build_critic(actor) if c.advantage == "gae" else None  # (grpo / rloo: none)
+        for model in [m for m in (actor, critic) if m is not None] if cfg.gradient_checkpointing else ():
+
             checkpoint_layers(model)
         actor = Actor(actor, c.temperature, c.full_logits, run.vocab)  # as train() scores
         batch = Rollout(ids, mask, response, response_mask, torch.zeros(B, Tmax, device=device),
@@ -2272,10 +2296,13 @@ def parse_config(argv=None) -> Config:
                 saved = {k: v for k, v in json.load(f).items() if k in args}
             parser.set_defaults(**saved)
             args = vars(parser.parse_args(argv))
-            changed = [k for k in saved if k not in RUN_ONLY and args[k] != saved[k]]
+            # compared resolved; a flag newer than the checkpoint counts at its default (what that run did)
+            before = dataclasses.asdict(Config(**{**vars(parser.parse_args([])), **saved}))
+            now = dataclasses.asdict(Config(**args))
+            changed = [k for k in now if k not in RUN_ONLY and now[k] != before[k]]
             if changed:
-                raise ValueError("--resume: " + ", ".join(f"--{k.replace('_', '-')} {args[k]} differs from the "
-                                 f"checkpoint's {saved[k]}" for k in changed) + "; drop the flag or start a new run")
+                raise ValueError("--resume: " + ", ".join(f"--{k.replace('_', '-')} {now[k]} differs from the "
+                                 f"checkpoint's {before[k]}" for k in changed) + "; drop the flag or start a new run")
             args.update(resume=checkpoint, output_dir=os.path.dirname(os.path.dirname(checkpoint)))
         cfg = Config(**args)
         check_config(cfg)
@@ -2307,7 +2334,9 @@ def check_config(cfg: Config):
                f"--advantage {cfg.advantage} compares the completions of a prompt: --samples-per-prompt must be >= 2 "
                f"(got {cfg.samples_per_prompt}); e.g. 8"),
               (cfg.samples_per_prompt >= 2 or not cfg.drop_flat_groups,
-               "--drop-flat-groups needs groups: --samples-per-prompt >= 2"),
+               f"--drop-flat-groups needs groups: --samples-per-prompt >= 2 (got {cfg.samples_per_prompt})"),
+              (cfg.kl_in == "reward" or cfg.kl_estimator != "k1",
+               "--kl-in loss needs --kl-estimator k2 or k3: k1's expected gradient is 0 (E[grad log pi] = 0)"),
               (cfg.scale_rewards in ("group", "batch", "none"),
                f"--scale-rewards must be group, batch or none (got {cfg.scale_rewards!r})"),
               (cfg.loss_agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
