@@ -1928,6 +1928,17 @@ def test_cuda_entry_point_trains(tmp_path, flags):
 
 
 @cuda
+def test_cuda_critic_free_run_with_the_mismatch_correction(tmp_path):  # the bf16 sampler's drift, corrected
+    write_reward_module(tmp_path)
+    run_script([*CUDA_LOOP, "--advantage", "grpo", "--samples-per-prompt", "4", "--mismatch-correction",
+                "--output-dir", str(tmp_path / "run")], tmp_path)
+    records = [r for r in read_metrics(tmp_path / "run") if r["step"] > 0]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(math.isfinite(r[k]) for r in records for k in ("pg_loss", "kl_loss", "grad_norm", "behav_prox_kl"))
+    assert all("vf_loss" not in r and r["is_weight_mean"] != 1.0 for r in records)  # fresh tokens weighted too
+
+
+@cuda
 def test_cuda_save_every_then_resume_samples_the_same_next_batch(tmp_path):
     write_reward_module(tmp_path)
     args = [*CUDA_LOOP, "--steps", "4", "--save-every", "2"]
