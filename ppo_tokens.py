@@ -1332,7 +1332,13 @@ def demo_warmup(policy, tokenizer, train_pairs, cfg: Config):
 # overlap on the device, without either side having to yield at hand-picked points.
 
 
+def sampler_copy(policy):  # the sampler's inference copy of the policy: bf16 on GPU, no gradients
+    dtype = torch.bfloat16 if policy.device.type == "cuda" else policy.dtype
+    return cast_parameters(copy.deepcopy(policy), dtype).requires_grad_(False)
+
+
 def cast_parameters(model, dtype):
+
     """model with its parameters in dtype; buffers (RoPE frequencies, ...) keep their fp32 precision."""
     for p in model.parameters():
         p.data = p.data.to(dtype)
@@ -1599,8 +1605,7 @@ def start_training(cfg: Config, run, output_dir: str, threaded, ctx: Dist) -> Tr
     """The sampler copy of the policy (bf16 on GPU) and its weight sync; the trained actor and critic (gradient
     checkpointing, fp32 heads under --bf16, DDP or FSDP2), their optimizers and generators; a resume; the decoder."""
     policy, device = run.policy, run.policy.device
-    sampler_dtype = torch.bfloat16 if device.type == "cuda" else policy.dtype  # inference copy: bf16 on GPU
-    sampler = cast_parameters(copy.deepcopy(policy), sampler_dtype).requires_grad_(False)
+    sampler = sampler_copy(policy)
     sharded = cfg.fsdp and torch.distributed.is_initialized()
     # FSDP2: the demo evaluates a full copy of its own, not the sampler, which its thread uses and updates
     evaluator = copy.deepcopy(sampler) if sharded and run.eval_ids is not None and ctx.rank == 0 else None
@@ -2184,8 +2189,7 @@ def bench_rollout(cfg: Config):
 def bench_sampling(cfg: Config, run) -> float:  # part (1) of --bench-rollout; returns our sampler's speed-up
     policy, tokenizer, device = run.policy, run.tokenizer, run.policy.device
     B, T = cfg.batch_size, cfg.response_length
-    sampler_dtype = torch.bfloat16 if device.type == "cuda" else policy.dtype  # as train() makes the sampler copy
-    sampler = cast_parameters(copy.deepcopy(policy), sampler_dtype).requires_grad_(False)
+    sampler = sampler_copy(policy)  # as train() makes it
     ids, mask = left_pad([run.prompt_ids[i % len(run.prompt_ids)] for i in range(B)], tokenizer.pad_token_id, device)
     max_len = max(map(len, run.prompt_ids)) + T  # the decoders are sized as train() sizes them
     eager = fast_decoder(sampler, B, max_len, PlainDecoder)
@@ -2249,9 +2253,9 @@ def bench_update(cfg: Config, run):  # part (2) of --bench-rollout: packed vs pa
             use_packed_attention(backbone_of(actor), cfg.bf16)
             use_packed_attention(backbone_of(reference.policy), cfg.bf16)
         critic = build_critic(actor) if c.advantage == "gae" else None  # (grpo / rloo: none)
-        for model in [m for m in (actor, critic) if m is not None] if cfg.gradient_checkpointing else ():
-
-            checkpoint_layers(model)
+        for model in (actor, critic) if cfg.gradient_checkpointing else ():
+            if model is not None:
+                checkpoint_layers(model)
         actor = Actor(actor, c.temperature, c.full_logits, run.vocab)  # as train() scores
         batch = Rollout(ids, mask, response, response_mask, torch.zeros(B, Tmax, device=device),
                         torch.zeros_like(response), torch.ones(B, dtype=torch.bool, device=device))
