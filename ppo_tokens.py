@@ -152,8 +152,6 @@ class Config:
     resume: str = arg("", "'--resume': continue from the newest whole checkpoint in --output-dir; "
                       "'--resume PATH': from that checkpoint or run directory (its config is used; flags that "
                       "change the run are refused)")
-
-
     max_bad_steps: int = arg(3, "stop after this many consecutive updates skipped for "
                              "non-finite rewards, losses or grads")
     long_prompts: str = arg("truncate", "prompts over --max-prompt-length: "
@@ -398,7 +396,6 @@ def rollout_logprobs(model, batch: Rollout, cfg: Config, inputs=None):  # (logpr
     is_actor = isinstance(getattr(model, "module", model), Actor)  # (DDP's module)
     actor = model if is_actor else Actor(model, cfg.temperature, cfg.full_logits)
     *inputs, layout = inputs or model_inputs(batch, cfg)
-
     return actor(*inputs, batch.response, batch.response_mask, batch.kept_ids, layout)
 
 
@@ -614,7 +611,6 @@ def value_loss(values, old_values, returns, mask, clip_range, n_tokens=None, tok
     clipped = old_values + torch.clamp(values - old_values, -clip_range, clip_range)
     squared = torch.maximum((values - returns) ** 2, (clipped - returns) ** 2)
     loss = 0.5 * aggregate(squared, mask, n_tokens if loss_denom is None else loss_denom, token_weight)
-
     with torch.no_grad():
         clipped_worse = ((values - returns) ** 2 < (clipped - returns) ** 2).to(values.dtype)
         stats = {"vf_clipfrac": masked_mean(clipped_worse, mask, n_tokens)}
@@ -709,7 +705,6 @@ def micro_step(policy, critic, mb: Rollout, cfg: Config, n_tokens, loss_denom, t
     if cfg.kl_in == "loss":  # GRPO's KL term
         # clamped at 10 as verl's low_var_kl: k3's exp overflows where the policy left the reference far behind
         kl_stats["kl_loss"] = loss_share(kl_estimate(logprobs, mb.ref_logprobs, cfg.kl_estimator).clamp(max=10))
-
         objective = objective + cfg.kl_coef * kl_stats["kl_loss"]
     objective.backward()
     if critic is not None:
@@ -752,7 +747,6 @@ def loss_denominators(batch: Rollout, minibatches, cfg: Config):
     if cfg.loss_agg == "seq-mean-token-mean":
         return tokens, sequences, 1.0 / lengths.clamp(min=1), empty
     return tokens, sequences * cfg.response_length, None, empty
-
 
 
 def aggregate(x, mask, denom, token_weight=None):  # a micro-batch's share of a minibatch's loss (loss_denominators)
@@ -1227,7 +1221,6 @@ def rule_scores(rule, needs_eos: bool, batch: Rollout):  # (B,) a reward functio
 
 
 def call_reward_function(fn, prompts, completions, device):
-
     """A user's reward function, checked: one number per completion, or a clear error."""
     try:
         scores = fn(prompts, completions)
@@ -1338,7 +1331,6 @@ def sampler_copy(policy):  # the sampler's inference copy of the policy: bf16 on
 
 
 def cast_parameters(model, dtype):
-
     """model with its parameters in dtype; buffers (RoPE frequencies, ...) keep their fp32 precision."""
     for p in model.parameters():
         p.data = p.data.to(dtype)
@@ -1679,7 +1671,6 @@ def make_batch(t: Training, i: int, stop: threading.Event) -> Rollout:
         prompts = [next(t.order) for _ in range(cfg.batch_size // cfg.samples_per_prompt)]
         # each prompt --samples-per-prompt times, side by side (a group: group_advantages), every rank whole groups
         rows = [p for p in prompts for _ in range(cfg.samples_per_prompt)][t.rank_rows]
-
         ids, mask = left_pad([run.prompt_ids[r] for r in rows], run.tokenizer.pad_token_id, run.policy.device)
         args = sampling_args(cfg, run.tokenizer.pad_token_id, run.stop_ids, run.vocab)
         batch = generate(t.decoder, ids, mask, **args, generator=t.sample_generator,
@@ -1849,7 +1840,6 @@ class Logger:
 def prepare_output_dir(cfg: Config, ctx: Dist) -> str:  # rank 0 decides (and dates) it; every rank gets its answer
     path = cfg.output_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
     error = None
-
     if ctx.rank == 0 and not cfg.resume and (os.path.exists(os.path.join(path, "metrics.jsonl")) or checkpoints(path)):
         error = (f"--output-dir {path} already holds a run (metrics.jsonl, checkpoints); continue it with --resume, "
                  "or choose another directory")
@@ -1992,7 +1982,6 @@ def load_checkpoint(path: str, actor, critic, optimizers, schedules, ctx: Dist =
     for (model, optimizer), saved in zip(models, state.get("optimizers", [{}] * len(models))):
         load_full_state(model, policy_state if model is actor else critic_state)
         load_full_state(model, saved, optimizer)
-
     if torch.distributed.is_initialized():
         shared = [{k: v for k, v in state.items() if k != "optimizers"}]
         torch.distributed.broadcast_object_list(shared, src=0)
@@ -2085,7 +2074,6 @@ def iteration_record(step, batch: Rollout, kl, stats: dict, cfg: Config, lr, ite
 # any other averaged (every rank holds as many rows, so row means average exactly; token means average the ranks').
 SUMMED_METRICS = ("response_tokens", "tokens_dropped", "gen_tokens_per_s", "train_tokens_per_s", "tokens_per_s",
                   "zero_std_groups")
-
 MAXED_METRICS = ("staleness_max", "is_weight_max", "behav_prox_max_diff", "first_ratio_max_dev")
 
 
@@ -2200,7 +2188,6 @@ def bench_sampling(cfg: Config, run) -> float:  # part (1) of --bench-rollout; r
             decoders["compiled"] = compiled
     name, decoder = list(decoders.items())[-1]  # what train() samples with
     args = sampling_args(cfg, tokenizer.pad_token_id, [], run.vocab)  # no stop id: --response-length tokens each
-
     hf = functools.partial(sampler.generate, input_ids=ids, attention_mask=mask, do_sample=True, top_k=0, top_p=1.0,
                            temperature=cfg.temperature, max_new_tokens=T, min_new_tokens=T,
                            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
@@ -2367,7 +2354,6 @@ def check_config(cfg: Config):
                "negative"),
               (cfg.static_cache or not cfg.compile_sampler,
                "--compile-sampler needs the static cache: drop --no-static-cache"),
-
               (not (cfg.bench_overlap or cfg.bench_rollout) or world == 1,
                "--bench-overlap and --bench-rollout run in one process; start them with python, not torchrun"),
               (not demo or 1 <= cfg.eval_size <= 5000, f"--eval-size must be in 1..5000 (got {cfg.eval_size})"),
@@ -2378,7 +2364,6 @@ def check_config(cfg: Config):
     checks += [(getattr(cfg, n) >= 1, f"--{n.replace('_', '-')} must be >= 1 (got {getattr(cfg, n)})")
                for n in ("steps", "batch_size", "response_length", "ppo_epochs", "minibatches", "eval_every",
                          "samples_per_prompt",
-
                          "keep_checkpoints", "max_bad_steps")]
     checks += [(cfg.minibatches < 1 or cfg.batch_size % (cfg.minibatches * world) == 0,
                 f"--batch-size {cfg.batch_size} must be divisible by --minibatches {cfg.minibatches}{ranks}"),
