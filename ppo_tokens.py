@@ -2270,6 +2270,14 @@ def constant_scores(batch: Rollout):  # a reward of 1 for every completion (the 
 # flags a resumed run may change; every other flag must match the checkpoint's config (or be left out)
 RUN_ONLY = ("resume", "output_dir", "save_every", "keep_checkpoints", "max_bad_steps", "trace", "wandb_project",
             "sample_every", "fsdp", "compile_sampler")
+# the flags that take one of a few words, and the numeric flags' lower bounds (0: the flag can turn a feature off)
+CHOICES = {"is_mode": ("truncate", "mask"), "kl_estimator": ("k1", "k2", "k3"), "kl_in": ("reward", "loss"),
+           "advantage": ("gae", "grpo", "rloo"), "scale_rewards": ("group", "batch", "none"),
+           "loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
+           "dtype": ("float32", "bfloat16"), "long_prompts": ("truncate", "refuse")}
+LOWER_BOUNDS = {"steps": 1, "batch_size": 1, "response_length": 1, "ppo_epochs": 1, "minibatches": 1, "eval_every": 1,
+                "samples_per_prompt": 1, "keep_checkpoints": 1, "max_bad_steps": 1, "is_cap": 1, "max_staleness": 0,
+                "clip_range_high": 0, "save_every": 0, "micro_batch_tokens": 0}
 
 
 def parse_config(argv=None) -> Config:
@@ -2307,69 +2315,50 @@ def check_config(cfg: Config):
     demo = not cfg.model and not cfg.prompts
     if cfg.response_length == 0:
         cfg.response_length = 4 if demo else 128
-
     world = int(os.environ.get("WORLD_SIZE", "1"))  # under torchrun --batch-size is global; each rank takes 1/world
     ranks = f" x {world} ranks (torchrun's WORLD_SIZE)" if world > 1 else ""
     minibatch_size = cfg.batch_size // max(1, cfg.minibatches * world)  # per rank
-    checks = [(cfg.max_staleness >= 0, f"--max-staleness must be >= 0 (got {cfg.max_staleness}); 0 is synchronous PPO"),
-              (cfg.is_mode in ("truncate", "mask") and cfg.is_cap >= 1,
-               f"--is-mode must be truncate or mask and --is-cap >= 1 (got {cfg.is_mode!r}, {cfg.is_cap})"),
-              (cfg.temperature > 0,
-               f"--temperature must be > 0 (got {cfg.temperature}); for near-greedy use e.g. 0.05"),
-              (cfg.kl_estimator in ("k1", "k2", "k3"),
-               f"--kl-estimator must be k1, k2 or k3 (got {cfg.kl_estimator!r})"),
-              (cfg.kl_in in ("reward", "loss"), f"--kl-in must be reward or loss (got {cfg.kl_in!r})"),
-              (cfg.advantage in ("gae", "grpo", "rloo"),
-               f"--advantage must be gae, grpo or rloo (got {cfg.advantage!r})"),
-              (cfg.advantage == "gae" or cfg.samples_per_prompt >= 2,
-               f"--advantage {cfg.advantage} compares the completions of a prompt: --samples-per-prompt must be >= 2 "
-               f"(got {cfg.samples_per_prompt}); e.g. 8"),
-              (cfg.samples_per_prompt >= 2 or not cfg.drop_flat_groups,
-               f"--drop-flat-groups needs groups: --samples-per-prompt >= 2 (got {cfg.samples_per_prompt})"),
-              (cfg.kl_in == "reward" or cfg.kl_estimator != "k1",
-               "--kl-in loss needs --kl-estimator k2 or k3: k1's expected gradient is 0 (E[grad log pi] = 0)"),
-              (cfg.scale_rewards in ("group", "batch", "none"),
-               f"--scale-rewards must be group, batch or none (got {cfg.scale_rewards!r})"),
-              (cfg.loss_agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
-               f"--loss-agg must be token-mean, seq-mean-token-mean or seq-mean-token-sum-norm (got {cfg.loss_agg!r})"),
-              (cfg.clip_range_high >= 0,
-               f"--clip-range-high must be >= 0 (got {cfg.clip_range_high}); 0 = --clip-range"),
-              (cfg.samples_per_prompt < 1 or cfg.batch_size % (cfg.samples_per_prompt * world) == 0,
-               f"--batch-size {cfg.batch_size} must be divisible by --samples-per-prompt {cfg.samples_per_prompt}"
-               f"{ranks} (each rank holds whole groups)"),
-              (cfg.dtype in ("float32", "bfloat16"), f"--dtype must be float32 or bfloat16 (got {cfg.dtype!r})"),
-              (not (cfg.reward and cfg.reward_model), "give either --reward or --reward-model, not both"),
-              (demo or cfg.reward or cfg.reward_model or cfg.bench_rollout,  # (the benchmark scores nothing)
-               "--model/--prompts need a reward: pass --reward module:function or --reward-model DIR"),
-              (not cfg.model or cfg.prompts, "--model needs --prompts FILE.jsonl (the demo prompts fit the demo only)"),
-              (0 < cfg.top_p <= 1 and cfg.top_k >= 0, "--top-p must be in (0, 1] and --top-k >= 0"),
-              (cfg.long_prompts in ("truncate", "refuse"),
-               f"--long-prompts must be truncate or refuse (got {cfg.long_prompts!r})"),
-              (not cfg.prompts or os.path.isfile(cfg.prompts), f"--prompts {cfg.prompts}: no such file"),
-              (not cfg.reward_model or os.path.isdir(cfg.reward_model),
-               f"--reward-model {cfg.reward_model}: no such directory"),
-              (cfg.save_every >= 0, f"--save-every must be >= 0 (got {cfg.save_every})"),
-              (cfg.micro_batch_tokens >= 0 and not (cfg.micro_batch_tokens and cfg.micro_batch_size),
-               "give --micro-batch-size (rows) or --micro-batch-tokens (a token budget), not both; neither is "
-               "negative"),
-              (cfg.static_cache or not cfg.compile_sampler,
-               "--compile-sampler needs the static cache: drop --no-static-cache"),
-              (not (cfg.bench_overlap or cfg.bench_rollout) or world == 1,
-               "--bench-overlap and --bench-rollout run in one process; start them with python, not torchrun"),
-              (not demo or 1 <= cfg.eval_size <= 5000, f"--eval-size must be in 1..5000 (got {cfg.eval_size})"),
-              (world == 1 or ":" not in cfg.device, f"--device {cfg.device}: under torchrun each rank uses "
-               "cuda:LOCAL_RANK; pass --device cuda (or set CUDA_VISIBLE_DEVICES)"),
-              (not cfg.device.startswith("cuda") or torch.cuda.is_available(),
-               f"--device {cfg.device}: CUDA is not available here; use --device cpu")]
-    checks += [(getattr(cfg, n) >= 1, f"--{n.replace('_', '-')} must be >= 1 (got {getattr(cfg, n)})")
-               for n in ("steps", "batch_size", "response_length", "ppo_epochs", "minibatches", "eval_every",
-                         "samples_per_prompt",
-                         "keep_checkpoints", "max_bad_steps")]
-    checks += [(cfg.minibatches < 1 or cfg.batch_size % (cfg.minibatches * world) == 0,
+    checks = [(getattr(cfg, n) in words, f"--{n.replace('_', '-')} must be {', '.join(words[:-1])} or {words[-1]} "
+               f"(got {getattr(cfg, n)!r})") for n, words in CHOICES.items()]
+    checks += [(getattr(cfg, n) >= low, f"--{n.replace('_', '-')} must be >= {low} (got {getattr(cfg, n)})")
+               for n, low in LOWER_BOUNDS.items()]
+    checks += [(cfg.temperature > 0,
+                f"--temperature must be > 0 (got {cfg.temperature}); for near-greedy use e.g. 0.05"),
+               (cfg.advantage == "gae" or cfg.samples_per_prompt >= 2,
+                f"--advantage {cfg.advantage} compares the completions of a prompt: --samples-per-prompt must be >= 2 "
+                f"(got {cfg.samples_per_prompt}); e.g. 8"),
+               (cfg.samples_per_prompt >= 2 or not cfg.drop_flat_groups,
+                f"--drop-flat-groups needs groups: --samples-per-prompt >= 2 (got {cfg.samples_per_prompt})"),
+               (cfg.kl_in == "reward" or cfg.kl_estimator != "k1",
+                "--kl-in loss needs --kl-estimator k2 or k3: k1's expected gradient is 0 (E[grad log pi] = 0)"),
+               (cfg.samples_per_prompt < 1 or cfg.batch_size % (cfg.samples_per_prompt * world) == 0,
+                f"--batch-size {cfg.batch_size} must be divisible by --samples-per-prompt {cfg.samples_per_prompt}"
+                f"{ranks} (each rank holds whole groups)"),
+               (cfg.minibatches < 1 or cfg.batch_size % (cfg.minibatches * world) == 0,
                 f"--batch-size {cfg.batch_size} must be divisible by --minibatches {cfg.minibatches}{ranks}"),
                (not cfg.micro_batch_size or minibatch_size % cfg.micro_batch_size == 0,
                 f"the minibatch size per rank (--batch-size {cfg.batch_size} / --minibatches {cfg.minibatches}{ranks} "
-                f"= {minibatch_size}) must be divisible by --micro-batch-size {cfg.micro_batch_size}")]
+                f"= {minibatch_size}) must be divisible by --micro-batch-size {cfg.micro_batch_size}"),
+               (not (cfg.micro_batch_tokens and cfg.micro_batch_size),
+                "give --micro-batch-size (rows) or --micro-batch-tokens (a token budget), not both"),
+               (not (cfg.reward and cfg.reward_model), "give either --reward or --reward-model, not both"),
+               (demo or cfg.reward or cfg.reward_model or cfg.bench_rollout,  # (the benchmark scores nothing)
+                "--model/--prompts need a reward: pass --reward module:function or --reward-model DIR"),
+               (not cfg.model or cfg.prompts,
+                "--model needs --prompts FILE.jsonl (the demo prompts fit the demo only)"),
+               (0 < cfg.top_p <= 1 and cfg.top_k >= 0, "--top-p must be in (0, 1] and --top-k >= 0"),
+               (not cfg.prompts or os.path.isfile(cfg.prompts), f"--prompts {cfg.prompts}: no such file"),
+               (not cfg.reward_model or os.path.isdir(cfg.reward_model),
+                f"--reward-model {cfg.reward_model}: no such directory"),
+               (cfg.static_cache or not cfg.compile_sampler,
+                "--compile-sampler needs the static cache: drop --no-static-cache"),
+               (not (cfg.bench_overlap or cfg.bench_rollout) or world == 1,
+                "--bench-overlap and --bench-rollout run in one process; start them with python, not torchrun"),
+               (not demo or 1 <= cfg.eval_size <= 5000, f"--eval-size must be in 1..5000 (got {cfg.eval_size})"),
+               (world == 1 or ":" not in cfg.device, f"--device {cfg.device}: under torchrun each rank uses "
+                "cuda:LOCAL_RANK; pass --device cuda (or set CUDA_VISIBLE_DEVICES)"),
+               (not cfg.device.startswith("cuda") or torch.cuda.is_available(),
+                f"--device {cfg.device}: CUDA is not available here; use --device cpu")]
     for ok, message in checks:
         if not ok:
             raise ValueError(message)
