@@ -871,10 +871,9 @@ def setup(cfg: Config, ctx: Dist = Dist()):
     critic_from = f"no critic (--advantage {cfg.advantage})"
     if cfg.advantage == "gae":
         run["critic"] = build_critic(policy, reward_model, same_tokenizer)
-        from_rm = reward_model is not None and same_tokenizer
-        critic_from = f"critic from {'the reward model' if from_rm else 'the policy, zero-initialised head'}"
-    if cfg.micro_batch_tokens and run["critic"] is not None:  # (a critic from the reward model: its own attention)
-        use_packed_attention(run["critic"].backbone, cfg.bf16)
+        critic_from = f"critic from {'the reward model' if same_tokenizer else 'the policy, zero-initialised head'}"
+        if cfg.micro_batch_tokens:  # (a critic from the reward model: its own attention)
+            use_packed_attention(run["critic"].backbone, cfg.bf16)
     print(f"policy {sum(p.numel() for p in policy.parameters()) / 1e6:.2f}M parameters on {device}; {critic_from}")
     return dataclasses.make_dataclass("Run", run.keys())(**run)
 
@@ -1215,24 +1214,19 @@ def chat_text(tokenizer, chat, ended: bool) -> str:  # a finished assistant turn
         return tokenizer.apply_chat_template(chat, tokenize=False)
 
 
-def rule_scores(rule, needs_eos: bool, batch: Rollout):  # (B,) a reward function's scores of a batch
-    scores = call_reward_function(rule, batch.prompts, batch.completions, batch.response.device)
-    return scores * batch.ended if needs_eos else scores  # (the demo's rule: a sum without its EOS scores 0)
-
-
-def call_reward_function(fn, prompts, completions, device):
-    """A user's reward function, checked: one number per completion, or a clear error."""
+def rule_scores(rule, needs_eos: bool, batch: Rollout):
+    """(B,) a reward function's scores of a batch, checked: one number per completion, or a clear error."""
     try:
-        scores = fn(prompts, completions)
+        scores = rule(batch.prompts, batch.completions)
     except Exception as e:
         raise SystemExit(f"the reward function raised {type(e).__name__}: {e}")
     try:
-        scores = [float(s) for s in scores]
+        scores = torch.tensor([float(s) for s in scores], dtype=torch.float32, device=batch.response.device)
     except (TypeError, ValueError) as e:
         raise SystemExit(f"the reward function must return a list of numbers ({e})")
-    if len(scores) != len(completions):
-        raise SystemExit(f"the reward function returned {len(scores)} scores for {len(completions)} completions")
-    return torch.tensor(scores, dtype=torch.float32, device=device)
+    if len(scores) != len(batch.completions):
+        raise SystemExit(f"the reward function returned {len(scores)} scores for {len(batch.completions)} completions")
+    return scores * batch.ended if needs_eos else scores  # (the demo's rule: a sum without its EOS scores 0)
 
 
 # ----------------------------------------------------------------------------------------------------------------
