@@ -1699,9 +1699,7 @@ def evaluate_before(t: Training):  # the demo's accuracy before PPO (not again o
         print(f"held-out sampled accuracy before PPO: {t.first_accuracy:.3f}")
 
 
-def nonfinite_on_any_rank(batch: Rollout, t: Training):
-    """The non-finite guard's check of a scored batch (nonfinite), decided by all ranks together: None, or what is
-    NaN or inf where."""
+def nonfinite_on_any_rank(batch: Rollout, t: Training):  # nonfinite(batch), decided by all ranks together
     problem = nonfinite(batch)
     if any_rank(problem is not None, batch.response.device) and torch.distributed.is_initialized():
         problems = [None] * t.ctx.world
@@ -1721,8 +1719,7 @@ def skip_update(t: Training, step: int, problem: str):  # the non-finite guard: 
 
 
 def log_iteration(t: Training, step: int, batch: Rollout, kl, stats: dict, lr: float, update_s: float, sync_ms):
-    """After a good update: evaluate (the demo), log the iteration's record reduced over ranks, print its line and,
-    every --sample-every iterations, a few completions."""
+    """After a good update: evaluate (the demo), log and print the record reduced over ranks, show a few samples."""
     cfg = t.cfg
     t.bad_steps = 0
     accuracy = None
@@ -1890,8 +1887,7 @@ def save_policy(policy, tokenizer, path: str, state_dict: dict):
     # cloned: the trainer's parameters are views into one flat buffer, which safetensors would see as shared memory
     policy.save_pretrained(tmp, state_dict={k: v.detach().clone() for k, v in state_dict.items()})
     tokenizer.save_pretrained(tmp)
-    if os.path.exists(path):
-        shutil.rmtree(path)
+    shutil.rmtree(path, ignore_errors=True)
     os.replace(tmp, path)
 
 
