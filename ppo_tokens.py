@@ -660,8 +660,7 @@ def ppo_update(policy, critic, policy_opt, critic_opt, batch: Rollout, cfg: Conf
         for j, rows in enumerate(micro_rows):
             with gradient_sync(models, enabled=j == len(micro_rows) - 1):
                 token_weight = None if row_weight is None else row_weight[rows][:, None]  # (b, 1)
-                step_stats = micro_step(policy, critic, batch.rows(rows), cfg, tokens[i], denominators[i],
-                                        token_weight)
+                step_stats = micro_step(policy, critic, batch.rows(rows), cfg, tokens[i], denominators[i], token_weight)
             ratio_max_dev = step_stats.pop("ratio_max_dev")
             if n_steps == 0:  # the first minibatch: the weights are the ones scoring used, so this must be 0
                 first_ratio_max_dev = torch.maximum(first_ratio_max_dev, ratio_max_dev)
@@ -1588,8 +1587,7 @@ class Training:
 
 
 def start_training(cfg: Config, run, output_dir: str, threaded, ctx: Dist) -> Training:
-    """The sampler copy of the policy (bf16 on GPU) and its weight sync; the trained actor and critic (gradient
-    checkpointing, fp32 heads under --bf16, DDP or FSDP2), their optimizers and generators; a resume; the decoder."""
+    """train()'s state: the sampler copy and its weight sync, the trained models and optimizers, a resume."""
     policy, device = run.policy, run.policy.device
     sampler = sampler_copy(policy)
     sharded = cfg.fsdp and torch.distributed.is_initialized()
@@ -1656,8 +1654,7 @@ def resume_training(t: Training):
 
 
 def make_batch(t: Training, i: int, stop: threading.Event) -> Rollout:
-    """The producer's work for batch i (in the sampler thread when the loop overlaps): take the newest published
-    weights, sample this rank's rows of the next --batch-size prompts, and score them with the frozen models."""
+    """The producer's work for batch i (in the sampler thread when the loop overlaps): sample, score (frozen models)."""
     cfg, run = t.cfg, t.run
     with t.tracer.span("generate", "sampler"):
         t0 = time.perf_counter()
@@ -1906,8 +1903,7 @@ def find_checkpoint(path: str) -> str:  # --resume PATH: a checkpoint directory,
         return path
     found = checkpoints(path)
     if not found:
-        pattern = os.path.join(path, "checkpoints", "step-*")
-        raise ValueError(f"--resume: no whole checkpoint in {path} (looked for {pattern})")
+        raise ValueError(f"--resume: no whole checkpoint in {path} (looked for {path}/checkpoints/step-*)")
     return found[-1]
 
 
@@ -2151,12 +2147,10 @@ def bench_overlap(cfg: Config, output_dir: str):
 
 
 def bench_rollout(cfg: Config):
-    """--bench-rollout: (1) tokens/s of our sampler (fast_decoder, what the loop samples with) against transformers'
-    generate and our plain DynamicCache loop, on the sampler copy (bf16 on GPU), --batch-size prompts, every row
-    generating exactly --response-length tokens (EOS ignored by all three); on CUDA also the decode step against the
-    weights-read bound (parameter bytes / measured copy bandwidth); with --compile-sampler the eager static decoder
-    too. (2) One PPO update on a batch whose sequence lengths spread 4:1, padded (--micro-batch-size rows) vs packed
-    (same token capacity, or --micro-batch-tokens)."""
+    """--bench-rollout: (1) tokens/s of our sampler (fast_decoder; with --compile-sampler the eager one too) against
+    transformers' generate and our plain DynamicCache loop, on the sampler copy, --batch-size rows of exactly
+    --response-length tokens (EOS ignored); on CUDA also the decode step against the weights-read bound. (2) One PPO
+    update on lengths spread 4:1, padded (--micro-batch-size rows) vs packed (same capacity or --micro-batch-tokens)."""
     cfg = dataclasses.replace(cfg, demo_warmup_max_steps=0)  # speed does not depend on the weights
     run = setup(cfg)  # (which may turn --full-logits on)
     ratio = bench_sampling(cfg, run)
