@@ -2224,9 +2224,8 @@ def bench_update(cfg: Config, run):  # part (2) of --bench-rollout: packed vs pa
             use_packed_attention(backbone_of(actor), cfg.bf16)
             use_packed_attention(backbone_of(reference.policy), cfg.bf16)
         critic = build_critic(actor) if c.advantage == "gae" else None  # (grpo / rloo: none)
-        for model in (actor, critic) if cfg.gradient_checkpointing else ():
-            if model is not None:
-                checkpoint_layers(model)
+        for model in [m for m in (actor, critic) if m is not None and cfg.gradient_checkpointing]:
+            checkpoint_layers(model)
         actor = Actor(actor, c.temperature, c.full_logits, run.vocab)  # as train() scores
         batch = Rollout(ids, mask, response, response_mask, torch.zeros(B, Tmax, device=device),
                         torch.zeros_like(response), torch.ones(B, dtype=torch.bool, device=device))
