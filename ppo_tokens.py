@@ -1393,8 +1393,7 @@ class WeightSync:
     def pull(self) -> int:  # sampler thread, between batches (or decode steps): take the newest version
         with self.lock:
             if self.version != self.sampler_version:
-                # sampler_flat is the storage of every sampler parameter (flatten_parameters): this one copy
-                # updates the sampler model
+                # sampler_flat holds every sampler parameter (flatten_parameters): this one copy updates them
                 self._copy("pull", self.sampler_flat, self.staging, after="publish")
                 self.sampler_version = self.version
             return self.sampler_version
