@@ -655,6 +655,13 @@ def ppo_update(policy, critic, policy_opt, critic_opt, batch: Rollout, cfg: Conf
     minibatches = [rows for order in row_orders[:cfg.ppo_epochs]
                    for rows in order.to(batch.response.device).split(minibatch_size)]  # epoch by epoch
     tokens, denominators, row_weight, empty = loss_denominators(batch, minibatches, cfg)
+    # a row without a loss token (a dropped flat group, too-old tokens) adds nothing to the loss or its gradient: it
+    # skips the forward and backward. A minibatch keeps one row, so that each rank still steps in DDP's lockstep;
+    # with micro-batches under torchrun every row stays (the ranks' micro-batch counts must agree).
+    has_loss = batch.loss_mask.any(1)  # (B,)
+    lockstep = torch.distributed.is_initialized() and (cfg.micro_batch_size or cfg.micro_batch_tokens)
+    if not has_loss.all() and not lockstep:
+        minibatches = [rows[has_loss[rows]] if has_loss[rows].any() else rows[:1] for rows in minibatches]
     for i, micro_rows in enumerate(micro_batch_rows(batch, minibatches, cfg, ranks_agree=True)):
         epoch, minibatch = divmod(i, cfg.minibatches)
         for j, rows in enumerate(micro_rows):

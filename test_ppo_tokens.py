@@ -726,6 +726,23 @@ def test_critic_free_update_trains_the_policy_alone_with_the_kl_in_its_loss(toke
     assert batch.correction["zero_std_groups"] == 2 and not adam.state  # AdamW never stepped
 
 
+def test_rows_without_a_loss_token_skip_the_update_and_change_nothing(tokenizer):
+    cfg, policy, reference, _, batch = tiny_setup(tokenizer, advantage="grpo", samples_per_prompt=4, ppo_epochs=1,
+                                                  minibatches=1, drop_flat_groups=True)
+    score(batch, policy, reference, None, lambda b: torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0]), cfg)
+    first_group = torch.arange(4)  # the second group is flat: dropped from the loss
+    copy = pt.copy.deepcopy(policy)
+    seen = []
+    pt.backbone_of(policy).register_forward_pre_hook(lambda m, args, kwargs: seen.append(kwargs["input_ids"].shape[0]),
+                                                     with_kwargs=True)
+    pt.ppo_update(policy, None, torch.optim.SGD(policy.parameters(), lr=1.0), None, batch, cfg, [torch.arange(8)])
+    assert seen == [4]  # only the rows with loss tokens went through the forward and backward
+    pt.ppo_update(copy, None, torch.optim.SGD(copy.parameters(), lr=1.0), None, batch.rows(first_group), cfg,
+                  [first_group])  # the same step from a batch that never held the flat group
+    for a, b in zip(policy.parameters(), copy.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
 def test_gradient_clipping_bounds_each_step(tokenizer):
     stats, step, _ = sgd_update(tokenizer, ppo_epochs=1, minibatches=1, max_grad_norm=1e-3)
     assert stats["grad_norm"] > 1e-3  # clipping was needed ...
