@@ -24,6 +24,7 @@ Run it:
     python ppo_tokens.py --model Qwen/Qwen2.5-0.5B-Instruct --prompts prompts.jsonl \\
         --reward-model ./my_rm --response-length 256 --batch-size 64 --micro-batch-size 8 --lr 1e-6 --critic-lr 1e-5
     python ppo_tokens.py --model ./my_policy --prompts prompts.jsonl --reward my_rewards:score --lr 1e-6
+    python ppo_tokens.py --advantage grpo --samples-per-prompt 8  # the demo critic-free (or rloo): 64 prompts x 8
     python ppo_tokens.py --max-staleness 1                  # the overlapped loop: sample batch i+1 while training on i
     torchrun --standalone --nproc_per_node 8 ppo_tokens.py --model ... # one node, 8 GPUs (--fsdp to shard)
     torchrun --nnodes 2 --nproc_per_node 8 --rdzv-id JOB --rdzv-backend c10d --rdzv-endpoint HOST:PORT ppo_tokens.py ...
@@ -66,14 +67,15 @@ class Config:
     chat_template: bool = arg(True, "wrap each prompt in the tokenizer's chat template when it has one")
     max_prompt_length: int = arg(512, "longest prompt in tokens; longer ones are cut or refused, see --long-prompts")
     # rollout
-    steps: int = arg(300, "PPO iterations: one rollout batch and its update each")
-    batch_size: int = arg(256, "rollouts (prompt + one sampled completion) per iteration")
+    steps: int = arg(0, "PPO iterations: one rollout batch and its update each; 0 = 300 for gae, 500 for grpo / rloo")
+    batch_size: int = arg(0, "rollouts (prompt + one sampled completion) per iteration; 0 = 256 for gae, 64 prompts "
+                          "x --samples-per-prompt for grpo / rloo")
     response_length: int = arg(0, "max new tokens per completion; 0 = 4 for the demo, 128 otherwise")
     temperature: float = arg(1.0, "sampling temperature; scoring divides the logits by the same value")
     top_k: int = arg(0, "sample from the k most likely tokens only (0 = off); log-probs renormalise over that set")
     top_p: float = arg(1.0, "nucleus sampling threshold (1 = off); keeps at most --top-k ids, 64 when --top-k is 0")
     # PPO
-    ppo_epochs: int = arg(2, "passes over each rollout batch")
+    ppo_epochs: int = arg(0, "passes over each rollout batch; 0 = 2 for gae, 1 for grpo / rloo (GRPO's mu = 1)")
     minibatches: int = arg(4, "optimizer steps per epoch; --batch-size must divide by it")
     micro_batch_size: int = arg(0, "rows per forward/backward, gradients accumulate; 0 = the whole minibatch")
     micro_batch_tokens: int = arg(0, "instead: micro-batches of at most this many real tokens, packed into one "
@@ -82,7 +84,8 @@ class Config:
                                        "activations in the backward (less memory)")
     bf16: bool = arg(False, "train under bf16 autocast over the fp32 master weights; "
                      "the log-prob and value heads stay fp32")
-    lr: float = arg(5e-4, "policy learning rate (AdamW); the demo's value, use ~1e-6 for real models")
+    lr: float = arg(0.0, "policy learning rate (AdamW); 0 = the demo's: 5e-4 for gae, 3e-4 for grpo / rloo; use ~1e-6 "
+                    "for real models")
     critic_lr: float = arg(1e-3, "critic learning rate (AdamW); use ~1e-5 for real models")
     lr_decay: bool = arg(True, "decay both learning rates linearly to 0 over --steps")
     weight_decay: float = arg(0.0, "AdamW weight decay")
@@ -105,8 +108,8 @@ class Config:
                              "'none' (Dr. GRPO; pair it with --loss-agg seq-mean-token-sum-norm)")
     loss_agg: str = arg("token-mean", "a minibatch's loss from its token losses: 'token-mean', "
                         "'seq-mean-token-mean', or 'seq-mean-token-sum-norm' (token sums / --response-length)")
-    drop_flat_groups: bool = arg(False, "groups whose completions all scored the same (no signal) leave the loss and "
-                                 "its denominators")
+    drop_flat_groups: bool = arg(None, "groups whose completions all scored the same (no signal) leave the loss and "
+                                 "its denominators; default: on for grpo / rloo, off for gae (no groups)")
     mismatch_correction: bool = arg(False, "weight fresh tokens too by min(exp(prox_logp - behav_logp), --is-cap): "
                                     "corrects the sampler's (bf16) drift from the trainer")
 
@@ -167,6 +170,16 @@ class Config:
     wandb_project: str = arg("", "log to this Weights & Biases project (off when empty; wandb imported only then)")
 
     def __post_init__(self):  # the defaults that depend on other flags (check_config checks the result)
+        # the demo's defaults for critic-free runs (measured: README, "Critic-free"): a group of n completions shares
+        # one prompt, so 64 prompts a batch; one pass each (GRPO's mu = 1); and flat groups, most of a late batch,
+        # leave the loss instead of diluting it (so a lower lr). An iteration without a critic costs about half.
+        critic_free = self.advantage != "gae"
+        self.steps = self.steps or (500 if critic_free else 300)
+        self.batch_size = self.batch_size or (64 * self.samples_per_prompt if critic_free else 256)
+        self.ppo_epochs = self.ppo_epochs or (1 if critic_free else 2)
+        self.lr = self.lr or (3e-4 if critic_free else 5e-4)
+        if self.drop_flat_groups is None:
+            self.drop_flat_groups = critic_free
         if not self.kl_in:  # critic-free runs put the KL in the loss (GRPO), PPO in the reward
             self.kl_in = "reward" if self.advantage == "gae" else "loss"
         if not self.kl_estimator:
@@ -2273,7 +2286,7 @@ def parse_config(argv=None) -> Config:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for f in dataclasses.fields(Config):
-        kind = {"action": argparse.BooleanOptionalAction} if type(f.default) is bool else {"type": type(f.default)}
+        kind = {"action": argparse.BooleanOptionalAction} if f.type is bool else {"type": f.type}
         bare = {"nargs": "?", "const": "latest"} if f.name == "resume" else {}  # bare --resume: --output-dir's newest
         parser.add_argument("--" + f.name.replace("_", "-"), default=f.default, help=f.metadata["help"], **kind, **bare)
     args = vars(parser.parse_args(argv))
