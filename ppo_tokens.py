@@ -36,17 +36,39 @@ Reading order: Config (the flags), then THE ALGORITHM (rollout -> scoring -> adv
 loop, train()), then the PLUMBING it calls.
 """
 
-import argparse, collections, contextlib, copy, dataclasses, functools, gc, hashlib, importlib, itertools, json, math
-import os, queue, random, shutil, signal, sys, threading, time
+import argparse, collections, contextlib, copy, dataclasses, functools, gc, hashlib, importlib, importlib.util
+import itertools, json, math, os, queue, random, shutil, signal, sys, threading, time
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 
-from kernels import linear_token_logprobs, token_logprobs  # the fused log-prob kernels
+
+def import_kernels():
+    """kernels.py shares its name with the Hugging Face Hub's `kernels` package, which transformers >= 5.25 installs
+    and imports: import the Hub's first (if any) with this directory off the path, so that `kernels` means the Hub's
+    everywhere; then this project's file, as the module `ppo_tokens_kernels`."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    saved_path = sys.path[:]
+    sys.path[:] = [p for p in saved_path if os.path.abspath(p or os.curdir) != here]
+    try:
+        importlib.import_module("kernels")
+    except ImportError:  # not installed (transformers < 5.25): nothing imports it
+        pass
+    finally:
+        sys.path[:] = saved_path
+    spec = importlib.util.spec_from_file_location("ppo_tokens_kernels", os.path.join(here, "kernels.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+kernels = sys.modules.get("ppo_tokens_kernels") or import_kernels()
+from ppo_tokens_kernels import linear_token_logprobs, token_logprobs  # noqa: E402  the fused log-prob kernels
 # the fast paths (kernels.py), each checked against its plain path here: the sampler, packed forwards, timing
-from kernels import (StaticDecoder, decoder_kwargs, fall_back, fast_decoder, fused_head_agrees, pack_sequences, timed,
-                     token_budget_bins, use_packed_attention)
+from ppo_tokens_kernels import (StaticDecoder, decoder_kwargs, fall_back, fast_decoder, fused_head_agrees,  # noqa: E402
+                                pack_sequences, timed, token_budget_bins, use_packed_attention)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -23,8 +23,8 @@ from types import SimpleNamespace
 
 import pytest
 
-import kernels
 import ppo_tokens as pt
+kernels = pt.kernels  # kernels.py, imported by ppo_tokens under its own name (the Hub's `kernels` package has this one)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "ppo_tokens.py")
