@@ -696,7 +696,8 @@ def ppo_update(policy, critic, policy_opt, critic_opt, batch: Rollout, cfg: Conf
     has_loss = batch.loss_mask.any(1)  # (B,)
     lockstep = torch.distributed.is_initialized() and (cfg.micro_batch_size or cfg.micro_batch_tokens)
     if not has_loss.all() and not lockstep:
-        minibatches = [rows[has_loss[rows]] if has_loss[rows].any() else rows[:1] for rows in minibatches]
+        kept = [rows[has_loss[rows]] for rows in minibatches]  # (the boolean index is each minibatch's one sync)
+        minibatches = [k if len(k) else rows[:1] for k, rows in zip(kept, minibatches)]
     for i, micro_rows in enumerate(micro_batch_rows(batch, minibatches, cfg, ranks_agree=True)):
         epoch, minibatch = divmod(i, cfg.minibatches)
         for j, rows in enumerate(micro_rows):
