@@ -247,7 +247,8 @@ class Rollout:
     advantages: torch.Tensor = None  # (B, T) GAE advantages, whitened over real tokens (or group_advantages)
     returns: torch.Tensor = None  # (B, T) advantages + values (before whitening): the critic's targets (gae only)
     is_weight: torch.Tensor = None  # (B, T) decoupled-PPO importance weight of each token (exactly 1 when fresh)
-    loss_mask: torch.Tensor = None  # (B, T) response_mask minus the tokens rejected as too old
+    loss_mask: torch.Tensor = None  # (B, T) response_mask minus the tokens too old and the flat groups dropped
+    scored: torch.Tensor = None  # (B, T) bool: response_mask in the rows the trainer scored (score_trainer)
     correction: dict = None  # staleness / importance-weight statistics of this batch, for the log
 
     def rows(self, index):  # the sub-batch of rows `index` (a LongTensor); tensor fields only
@@ -448,11 +449,15 @@ def critic_values(critic, batch: Rollout, inputs=None):  # (B, T): V(state befor
 def score_frozen(batch: Rollout, reference, reward_fn, cfg: Config):
     """The sampler side of scoring: reference log-probs and sequence scores need no trainer weights, so in the
     overlapped loop they run in the producer thread (on the sampler's CUDA stream), hidden behind the update."""
-    batch.ref_logprobs = torch.zeros_like(batch.behav_logprobs)
-    for rows, mb in micro_batches(batch, cfg):
-        batch.ref_logprobs[rows] = rollout_logprobs(reference, mb, cfg)[0]
     batch.raw_scores = reward_fn(batch)  # (B,)
     batch.scores = batch.raw_scores - cfg.missing_eos_penalty * (~batch.ended).float()  # N+: penalise runs without EOS
+    scored = torch.ones_like(batch.ended)  # (B,) the rows that need reference log-probs
+    if cfg.drop_flat_groups and skip_loss_free_rows(cfg):  # not the dropped flat groups (see update_minibatches)
+        scored = ~flat_groups(batch.scores, cfg.samples_per_prompt)
+    batch.ref_logprobs = torch.zeros_like(batch.behav_logprobs)  # (B, T); 0 in the rows skipped
+    minibatches = scored.nonzero()[:, 0].split(len(scored) // cfg.minibatches)  # (as the update's, in size)
+    for rows in itertools.chain(*micro_batch_rows(batch, [m for m in minibatches if len(m)], cfg)):
+        batch.ref_logprobs[rows] = rollout_logprobs(reference, batch.rows(rows), cfg)[0]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -542,69 +547,84 @@ def flat_groups(scores, n: int):  # (B,) bool: the row's group of n completions 
 @torch.no_grad()
 def score_trainer(batch: Rollout, policy, critic, cfg: Config, row_order=None, version=None):
     """The trainer side: proximal ("old") log-probs and values need the current weights, so the trainer computes them
-    right before its update, in the same micro-batch rows (row_order) as the first training epoch, so the first
-    epoch's ratio is bit-exactly 1 (see ppo_update). Then the per-token rewards, the advantages (GAE and whitening,
-    or a critic-free group estimate: group_advantages) and the staleness correction (off_policy_correction).
+    right before its update, in the same micro-batch rows as the first training epoch (row_order, less the rows
+    without a loss token: update_minibatches), so the first epoch's ratio is bit-exactly 1 (see ppo_update). Then the
+    per-token rewards, the advantages (GAE and whitening, or a critic-free group estimate: group_advantages) and the
+    staleness correction (off_policy_correction).
     version: the trainer's policy version (None = every token is fresh: plain PPO). critic: None for grpo / rloo.
-    Returns the per-token KL."""
+    Returns the per-token KL (0 outside batch.scored)."""
+    n = cfg.samples_per_prompt
+    flat = flat_groups(batch.scores, n) if n > 1 else torch.zeros_like(batch.ended)  # (B,) groups without signal
+    batch.loss_mask = loss_tokens(batch, cfg, version, flat & cfg.drop_flat_groups)
+    row_order = torch.arange(len(batch.response)) if row_order is None else row_order
+    first_epoch = update_minibatches(batch, cfg, [row_order])
+    has_loss = batch.loss_mask.any(1) | (not skip_loss_free_rows(cfg))  # (B,) the rows scored here
+    batch.scored = batch.response_mask.bool() & has_loss[:, None]  # (B, T): what the statistics below average over
     batch.old_logprobs = torch.zeros_like(batch.behav_logprobs)
     batch.values = torch.zeros_like(batch.behav_logprobs, dtype=torch.float32)  # the critic's output is fp32
-    for rows, mb in micro_batches(batch, cfg, row_order, ranks_agree=True):  # the first epoch's micro-batches
+    for rows in itertools.chain(*micro_batch_rows(batch, first_epoch, cfg, ranks_agree=True)):
+        mb = batch.rows(rows)
         inputs = model_inputs(mb, cfg)  # packed once for both models
         with autocast(cfg, batch.response.device):
             batch.old_logprobs[rows] = rollout_logprobs(policy, mb, cfg, inputs)[0]
             if critic is not None:
                 batch.values[rows] = critic_values(critic, mb, inputs)
-    mask = batch.response_mask.bool()
     if cfg.whiten_scores:  # here, not in the producer: under torchrun it is a collective, which only this thread runs
         batch.scores = masked_whiten(batch.scores, torch.ones_like(batch.scores))
-    kl = torch.where(mask, kl_estimate(batch.old_logprobs, batch.ref_logprobs, cfg.kl_estimator), 0.0)  # (B, T)
+    kl = torch.where(batch.scored, kl_estimate(batch.old_logprobs, batch.ref_logprobs, cfg.kl_estimator), 0.0)
     reward_kl_coef = cfg.kl_coef if cfg.kl_in == "reward" else 0.0  # (--kl-in loss: ppo_update adds it)
     batch.rewards = per_token_rewards(batch.scores, kl, batch.response_mask, reward_kl_coef)
     if cfg.advantage == "gae":
         advantages, batch.returns = gae(batch.rewards, batch.values, batch.response_mask, cfg.gamma, cfg.lam)
-        batch.advantages = masked_whiten(advantages, batch.response_mask)
+        batch.advantages = masked_whiten(advantages, batch.scored)
     else:  # every token of a completion gets its completion's advantage; no critic, no returns
         returns = batch.rewards.sum(-1)  # (B,) the score minus the KL in the rewards
-        advantage = group_advantages(returns, cfg.samples_per_prompt, cfg.advantage, cfg.scale_rewards)
-        batch.advantages = torch.where(mask, advantage[:, None], 0.0)
+        advantage = group_advantages(returns, n, cfg.advantage, cfg.scale_rewards)
+        batch.advantages = torch.where(batch.scored, advantage[:, None], 0.0)
     off_policy_correction(batch, cfg, version)
-    if cfg.samples_per_prompt > 1:  # groups without signal: counted, and with --drop-flat-groups out of the loss
-        flat = flat_groups(batch.scores, cfg.samples_per_prompt)
-        batch.correction["zero_std_groups"] = int(flat.sum()) // cfg.samples_per_prompt
-        if cfg.drop_flat_groups:
-            batch.loss_mask = batch.loss_mask * ~flat[:, None]
-            batch.correction["tokens_dropped"] = int((mask & ~batch.loss_mask.bool()).sum())
+    if n > 1:  # groups without signal: counted (and with --drop-flat-groups out of the loss: loss_tokens)
+        batch.correction["zero_std_groups"] = int(flat.sum()) // n
     return kl
+
+
+def loss_tokens(batch: Rollout, cfg: Config, version=None, dropped_rows=None):  # (B, T) long
+    """The response tokens the loss sees: less those older than --max-token-age (policy versions behind the trainer's
+    version), and dropped_rows (B,) bool: with --drop-flat-groups, the groups whose completions all scored the same."""
+    mask = batch.response_mask.bool()
+    if cfg.max_token_age >= 0 and version is not None:
+        mask = mask & (version - batch.policy_version <= cfg.max_token_age)
+    if dropped_rows is not None:
+        mask = mask & ~dropped_rows[:, None]
+    return mask.long()
 
 
 def off_policy_correction(batch: Rollout, cfg: Config, version=None):
     """Staleness: the tokens an older policy sampled (age = version - policy_version > 0) get the decoupled-PPO
     importance weight (Hilton et al. 2022; AReaL), the proximal policy being the trainer's current one:
         w_t = exp(prox_logp_t - behav_logp_t), capped at --is-cap (truncated or masked); exactly 1 for fresh tokens,
-    so at --max-staleness 0 this is plain PPO to the bit. Tokens older than --max-token-age leave the loss.
-    --mismatch-correction: fresh tokens get the same truncated weight (Yao et al. 2025, "Your efficient RL framework
-    secretly brings you off-policy RL training"): a sampler whose numerics differ from the trainer's (bf16, other
-    kernels) is a slightly different policy even at the same version."""
+    so at --max-staleness 0 this is plain PPO to the bit. (Tokens older than --max-token-age left the loss:
+    loss_tokens.) --mismatch-correction: fresh tokens get the same truncated weight (Yao et al. 2025, "Your efficient
+    RL framework secretly brings you off-policy RL training"): a sampler whose numerics differ from the trainer's
+    (bf16, other kernels) is a slightly different policy even at the same version."""
     mask = batch.response_mask.bool()
+    scored = batch.scored  # (the weights' statistics: only the rows the trainer scored have prox log-probs)
     age = torch.zeros_like(batch.policy_version) if version is None else version - batch.policy_version  # (B, T)
     # fresh = the whole row, prompt pass included, ran on the trainer's weights (versions only grow along a row: an
     # in-flight update leaves the older weights' KV cache behind the newer tokens, so those are not fresh)
     fresh = (age[:, :1] == 0).expand_as(age) & (not cfg.mismatch_correction)
     log_ratio = batch.old_logprobs - batch.behav_logprobs  # log pi_prox / pi_behav
     weight = torch.where(fresh, 1.0, torch.exp(log_ratio))
-    capped = mask & (weight > cfg.is_cap)
+    capped = scored & (weight > cfg.is_cap)
     batch.is_weight = torch.where(capped, cfg.is_cap if cfg.is_mode == "truncate" else 0.0, weight)
-    batch.loss_mask = (mask & ((age <= cfg.max_token_age) if cfg.max_token_age >= 0 else True)).long()
     batch.correction = {"staleness_mean": float(masked_mean(age.float(), mask)),
                         "staleness_max": int(torch.where(mask, age, 0).max()),
-                        "is_weight_mean": float(masked_mean(batch.is_weight, mask)),
-                        "is_weight_max": float(torch.where(mask, weight, 0.0).max()),
-                        "is_capped_frac": float(masked_mean(capped.float(), mask)),
+                        "is_weight_mean": float(masked_mean(batch.is_weight, scored)),
+                        "is_weight_max": float(torch.where(scored, weight, 0.0).max()),
+                        "is_capped_frac": float(masked_mean(capped.float(), scored)),
                         # the sampler / trainer mismatch: |log pi_prox - log pi_behav|, and KL(behav || prox) (k3)
-                        "behav_prox_max_diff": float(torch.where(mask, log_ratio, 0.0).abs().max()),
-                        "behav_prox_mean_diff": float(masked_mean(log_ratio.abs(), mask)),
-                        "behav_prox_kl": float(masked_mean(torch.expm1(log_ratio) - log_ratio, mask)),
+                        "behav_prox_max_diff": float(torch.where(scored, log_ratio, 0.0).abs().max()),
+                        "behav_prox_mean_diff": float(masked_mean(log_ratio.abs(), scored)),
+                        "behav_prox_kl": float(masked_mean(torch.expm1(log_ratio) - log_ratio, scored)),
                         "tokens_dropped": int((mask & ~batch.loss_mask.bool()).sum())}
 
 
@@ -681,23 +701,13 @@ def ppo_update(policy, critic, policy_opt, critic_opt, batch: Rollout, cfg: Conf
     critic and critic_opt are None for grpo / rloo (no value loss). With --kl-in loss the policy's objective also has
     kl_coef * the aggregated per-token KL to the reference. A NaN/inf loss or grad norm skips that step and the rest
     (earlier steps stand): returns {"nonfinite": where}."""
-    minibatch_size = batch.response.shape[0] // cfg.minibatches
     sums = {}  # each logged statistic, summed over the optimizer steps
     n_steps = 0
     first_ratio_max_dev = torch.zeros(())
     models = [m for m in (policy, critic) if m is not None]
     optimizers = [o for o in (policy_opt, critic_opt) if o is not None]
-    minibatches = [rows for order in row_orders[:cfg.ppo_epochs]
-                   for rows in order.to(batch.response.device).split(minibatch_size)]  # epoch by epoch
+    minibatches = update_minibatches(batch, cfg, row_orders[:cfg.ppo_epochs])  # epoch by epoch
     tokens, denominators, row_weight, empty = loss_denominators(batch, minibatches, cfg)
-    # a row without a loss token (a dropped flat group, too-old tokens) adds nothing to the loss or its gradient: it
-    # skips the forward and backward. A minibatch keeps one row, so that each rank still steps in DDP's lockstep;
-    # with micro-batches under torchrun every row stays (the ranks' micro-batch counts must agree).
-    has_loss = batch.loss_mask.any(1)  # (B,)
-    lockstep = torch.distributed.is_initialized() and (cfg.micro_batch_size or cfg.micro_batch_tokens)
-    if not has_loss.all() and not lockstep:
-        kept = [rows[has_loss[rows]] for rows in minibatches]  # (the boolean index is each minibatch's one sync)
-        minibatches = [k if len(k) else rows[:1] for k, rows in zip(kept, minibatches)]
     for i, micro_rows in enumerate(micro_batch_rows(batch, minibatches, cfg, ranks_agree=True)):
         epoch, minibatch = divmod(i, cfg.minibatches)
         for j, rows in enumerate(micro_rows):
@@ -729,6 +739,26 @@ def ppo_update(policy, critic, policy_opt, critic_opt, batch: Rollout, cfg: Conf
         n_steps += 1
     means = {k: float(v) / max(1, n_steps) for k, v in sums.items()}
     return {**means, "first_ratio_max_dev": float(first_ratio_max_dev)}
+
+
+def update_minibatches(batch: Rollout, cfg: Config, row_orders):
+    """The rows of each optimizer step, epoch by epoch: row_orders[e] (epoch e's row order) split into --minibatches.
+    A row without a loss token (a dropped flat group, tokens past --max-token-age) adds nothing to the loss or its
+    gradient, so it is left out of the forwards (the scoring pass and the update's) when skip_loss_free_rows. A
+    minibatch keeps one row, so that each rank still steps in DDP's lockstep."""
+    minibatch_size = batch.response.shape[0] // cfg.minibatches
+    minibatches = [rows for order in row_orders for rows in order.to(batch.response.device).split(minibatch_size)]
+    has_loss = batch.loss_mask.any(1)  # (B,)
+    if not skip_loss_free_rows(cfg) or has_loss.all():
+        return minibatches
+    kept = [rows[has_loss[rows]] for rows in minibatches]  # (the boolean index is each minibatch's one sync)
+    return [k if len(k) else rows[:1] for k, rows in zip(kept, minibatches)]
+
+
+def skip_loss_free_rows(cfg: Config) -> bool:
+    """Whether rows without a loss token skip their forwards: not under torchrun with micro-batches, where the ranks'
+    micro-batch counts must agree (FSDP2 gathers the weights in each forward, a collective)."""
+    return not (torch.distributed.is_initialized() and (cfg.micro_batch_size or cfg.micro_batch_tokens))
 
 
 def micro_step(policy, critic, mb: Rollout, cfg: Config, n_tokens, loss_denom, token_weight=None) -> dict:
@@ -1573,14 +1603,6 @@ def micro_batch_rows(batch: Rollout, minibatches, cfg: Config, ranks_agree=False
     return [[rows[torch.tensor(g, device=rows.device)] for g in gs] for rows, gs in zip(minibatches, groups)]
 
 
-def micro_batches(batch: Rollout, cfg: Config, row_order=None, ranks_agree=False):  # (rows, sub-batch) pairs
-    B = batch.response.shape[0]
-    row_order = torch.arange(B) if row_order is None else row_order
-    minibatches = row_order.to(batch.response.device).split(B // cfg.minibatches)
-    for rows in itertools.chain(*micro_batch_rows(batch, minibatches, cfg, ranks_agree)):
-        yield rows, batch.rows(rows)
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # the loop's bookkeeping: start-up and resume, the producer's batches, the stop signal, the non-finite guard, logging
 
@@ -2075,11 +2097,11 @@ def iteration_record(step, batch: Rollout, kl, stats: dict, cfg: Config, lr, ite
     sampler_busy = busy.get("sampler_busy_s", 0.0)
     return {"step": step,
             "reward_mean": float(batch.raw_scores.mean()),
-            "kl": float(kl.sum(-1).mean()),
-            "kl_per_token": float(masked_mean(kl, batch.response_mask)),
+            "kl": float(masked_mean(kl.sum(-1), batch.scored.any(1))),  # per sequence, over the rows scored
+            "kl_per_token": float(masked_mean(kl, batch.scored)),
             **stats,  # ppo_update's losses, clip fractions, approx_kl, entropy, grad norms
             **({} if batch.returns is None else  # (no critic: grpo / rloo)
-               {"explained_variance": float(explained_variance(batch.values, batch.returns, batch.response_mask))}),
+               {"explained_variance": float(explained_variance(batch.values, batch.returns, batch.scored))}),
             "response_length": response_tokens / B,
             "response_tokens": response_tokens,
             # the share of a padded (B, P + T) forward that is padding: what --micro-batch-tokens does not compute

@@ -729,14 +729,17 @@ def test_critic_free_update_trains_the_policy_alone_with_the_kl_in_its_loss(toke
 def test_rows_without_a_loss_token_skip_the_update_and_change_nothing(tokenizer):
     cfg, policy, reference, _, batch = tiny_setup(tokenizer, advantage="grpo", samples_per_prompt=4, ppo_epochs=1,
                                                   minibatches=1, drop_flat_groups=True)
-    score(batch, policy, reference, None, lambda b: torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0]), cfg)
     first_group = torch.arange(4)  # the second group is flat: dropped from the loss
     copy = pt.copy.deepcopy(policy)
     seen = []
-    pt.backbone_of(policy).register_forward_pre_hook(lambda m, args, kwargs: seen.append(kwargs["input_ids"].shape[0]),
-                                                     with_kwargs=True)
+    for model in (policy, reference):
+        pt.backbone_of(model).register_forward_pre_hook(
+            lambda m, args, kwargs: seen.append(kwargs["input_ids"].shape[0]), with_kwargs=True)
+    kl = score(batch, policy, reference, None, lambda b: torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0]), cfg)
+    assert batch.correction["zero_std_groups"] == 1 and not batch.scored[4:].any()
+    assert batch.scored[:4].equal(batch.response_mask[:4].bool()) and not kl[4:].any()  # statistics: kept rows only
     pt.ppo_update(policy, None, torch.optim.SGD(policy.parameters(), lr=1.0), None, batch, cfg, [torch.arange(8)])
-    assert seen == [4]  # only the rows with loss tokens went through the forward and backward
+    assert seen == [4, 4, 4]  # the reference, the scoring pass, the update: only the rows with loss tokens
     pt.ppo_update(copy, None, torch.optim.SGD(copy.parameters(), lr=1.0), None, batch.rows(first_group), cfg,
                   [first_group])  # the same step from a batch that never held the flat group
     for a, b in zip(policy.parameters(), copy.parameters()):
@@ -1455,12 +1458,15 @@ def test_whitening_and_the_first_update_do_not_depend_on_the_world_size(tmp_path
 
 def test_torchrun_critic_free_ddp_and_fsdp2_train_and_resume(tmp_path):
     write_reward_module(tmp_path)
-    base = [SCRIPT, *LOOP, "--steps", "3", "--save-every", "2", "--samples-per-prompt", "4", "--micro-batch-size", "2"]
-    for advantage, sharding in (("rloo", []), ("grpo", ["--fsdp"])):
+    base = [SCRIPT, *LOOP, "--steps", "3", "--save-every", "2", "--samples-per-prompt", "4"]
+    # rloo under DDP with micro-batches: every row is scored and updated (the ranks' micro-batch counts agree);
+    # grpo under FSDP2 without: the dropped flat groups skip their forwards, so the ranks' row counts differ
+    for advantage, more in (("rloo", ["--micro-batch-size", "2"]), ("grpo", ["--fsdp", "--micro-batch-size", "0"])):
         out_dir = tmp_path / advantage
-        full = digests(torchrun([*base, "--advantage", advantage, *sharding, "--output-dir", str(out_dir)],
+        full = digests(torchrun([*base, "--advantage", advantage, *more, "--output-dir", str(out_dir)],
                                 tmp_path).stdout)
         assert full[0] == full[1] and not (out_dir / "checkpoints/step-00000003/critic.pt").exists()
+        assert sum(r.get("zero_std_groups", 0) for r in read_metrics(out_dir)) > 0  # (flat groups were dropped)
         resumed = torchrun([SCRIPT, "--resume", str(pt.checkpoints(out_dir)[0])], tmp_path).stdout
         assert "step-00000002 after iteration 2/3" in resumed and digests(resumed) == full, advantage
 
