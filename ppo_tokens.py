@@ -2281,6 +2281,7 @@ def bench_update(cfg: Config, run):  # part (2) of --bench-rollout: packed vs pa
     budget = cfg.micro_batch_tokens or rows * (ids.shape[1] + Tmax)  # the padded micro-batch's token capacity
     orders = [torch.randperm(B, generator=g) for _ in range(cfg.ppo_epochs)]
     updates = {}
+    cfg = dataclasses.replace(cfg, drop_flat_groups=False)  # (its scores are all 1: every group would be dropped)
     for layout, c in (("padded", dataclasses.replace(cfg, micro_batch_size=rows, micro_batch_tokens=0)),
                       ("packed", dataclasses.replace(cfg, micro_batch_size=0, micro_batch_tokens=budget))):
         actor, reference = copy.deepcopy(policy), copy.deepcopy(run.reference)
