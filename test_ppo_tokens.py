@@ -460,13 +460,14 @@ def test_importance_weights_are_exactly_one_for_fresh_tokens_and_version_rejecti
     mask, age = batch.response_mask.bool(), 5 - batch.policy_version
     assert (batch.is_weight[mask & (age == 0)] == 1.0).all()  # exactly 1, though behav != prox numerically
     expected = torch.exp(batch.old_logprobs - batch.behav_logprobs).clamp(max=cfg.is_cap)
-    torch.testing.assert_close(batch.is_weight[mask & (age > 0)], expected[mask & (age > 0)])
-    assert torch.equal(batch.loss_mask.bool(), mask & (age <= 1))  # age 2 dropped
+    torch.testing.assert_close(batch.is_weight[mask & (age == 1)], expected[mask & (age == 1)])
+    assert torch.equal(batch.loss_mask.bool(), mask & (age <= 1))  # age 2 dropped ...
+    assert torch.equal(batch.scored, mask & (age <= 1))  # ... and its rows, without a loss token, were not scored
     assert batch.correction["tokens_dropped"] == int((mask & (age == 2)).sum()) > 0
     assert batch.correction["staleness_max"] == 2
     cfg.is_mode, cfg.is_cap = "mask", 1.0
     pt.score_trainer(batch, policy, critic, cfg, version=5)
-    capped = mask & (torch.exp(batch.old_logprobs - batch.behav_logprobs) > 1.0) & (age > 0)
+    capped = mask & (torch.exp(batch.old_logprobs - batch.behav_logprobs) > 1.0) & (age == 1)
     assert capped.any() and (batch.is_weight[capped] == 0).all()
 
 
