@@ -248,7 +248,7 @@ class Rollout:
     returns: torch.Tensor = None  # (B, T) advantages + values (before whitening): the critic's targets (gae only)
     is_weight: torch.Tensor = None  # (B, T) decoupled-PPO importance weight of each token (exactly 1 when fresh)
     loss_mask: torch.Tensor = None  # (B, T) response_mask minus the tokens too old and the flat groups dropped
-    scored: torch.Tensor = None  # (B, T) bool: response_mask in the rows the trainer scored (score_trainer)
+    loss_rows: torch.Tensor = None  # (B, T) bool: response_mask in the rows with a loss token (the logged statistics')
     correction: dict = None  # staleness / importance-weight statistics of this batch, for the log
 
     def rows(self, index):  # the sub-batch of rows `index` (a LongTensor); tensor fields only
@@ -452,9 +452,9 @@ def score_frozen(batch: Rollout, reference, reward_fn, cfg: Config):
     batch.raw_scores = reward_fn(batch)  # (B,)
     batch.scores = batch.raw_scores - cfg.missing_eos_penalty * (~batch.ended).float()  # N+: penalise runs without EOS
     scored = torch.ones_like(batch.ended)  # (B,) the rows that need reference log-probs
-    if cfg.drop_flat_groups and skip_loss_free_rows(cfg):  # not the dropped flat groups (see update_minibatches)
+    if cfg.drop_flat_groups and skip_loss_free_rows(cfg):  # not the dropped flat groups
         scored = ~flat_groups(batch.scores, cfg.samples_per_prompt)
-    batch.ref_logprobs = torch.zeros_like(batch.behav_logprobs)  # (B, T); 0 in the rows skipped
+    batch.ref_logprobs = batch.behav_logprobs.clone()  # (B, T); the skipped rows keep the sampler's (finite) values
     minibatches = scored.nonzero()[:, 0].split(len(scored) // cfg.minibatches)  # (as the update's, in size)
     for rows in itertools.chain(*micro_batch_rows(batch, [m for m in minibatches if len(m)], cfg)):
         batch.ref_logprobs[rows] = rollout_logprobs(reference, batch.rows(rows), cfg)[0]
@@ -547,20 +547,19 @@ def flat_groups(scores, n: int):  # (B,) bool: the row's group of n completions 
 @torch.no_grad()
 def score_trainer(batch: Rollout, policy, critic, cfg: Config, row_order=None, version=None):
     """The trainer side: proximal ("old") log-probs and values need the current weights, so the trainer computes them
-    right before its update, in the same micro-batch rows as the first training epoch (row_order, less the rows
-    without a loss token: update_minibatches), so the first epoch's ratio is bit-exactly 1 (see ppo_update). Then the
-    per-token rewards, the advantages (GAE and whitening, or a critic-free group estimate: group_advantages) and the
-    staleness correction (off_policy_correction).
+    right before its update, in the same micro-batch rows as the first training epoch (update_minibatches of
+    row_order), so the first epoch's ratio is bit-exactly 1 (see ppo_update). Then the per-token rewards, the
+    advantages (GAE and whitening, or a critic-free group estimate: group_advantages) and the staleness correction
+    (off_policy_correction).
     version: the trainer's policy version (None = every token is fresh: plain PPO). critic: None for grpo / rloo.
-    Returns the per-token KL (0 outside batch.scored)."""
+    Returns the per-token KL."""
     n = cfg.samples_per_prompt
     flat = flat_groups(batch.scores, n) if n > 1 else torch.zeros_like(batch.ended)  # (B,) groups without signal
     batch.loss_mask = loss_tokens(batch, cfg, version, flat & cfg.drop_flat_groups)
+    batch.loss_rows = batch.response_mask.bool() & batch.loss_mask.bool().any(1, keepdim=True)  # (B, T)
     row_order = torch.arange(len(batch.response)) if row_order is None else row_order
     first_epoch = update_minibatches(batch, cfg, [row_order])
-    has_loss = batch.loss_mask.any(1) | (not skip_loss_free_rows(cfg))  # (B,) the rows scored here
-    batch.scored = batch.response_mask.bool() & has_loss[:, None]  # (B, T): what the statistics below average over
-    batch.old_logprobs = torch.zeros_like(batch.behav_logprobs)
+    batch.old_logprobs = batch.behav_logprobs.clone()  # (rows skipped keep the sampler's values; nothing reads them)
     batch.values = torch.zeros_like(batch.behav_logprobs, dtype=torch.float32)  # the critic's output is fp32
     for rows in itertools.chain(*micro_batch_rows(batch, first_epoch, cfg, ranks_agree=True)):
         mb = batch.rows(rows)
@@ -569,18 +568,19 @@ def score_trainer(batch: Rollout, policy, critic, cfg: Config, row_order=None, v
             batch.old_logprobs[rows] = rollout_logprobs(policy, mb, cfg, inputs)[0]
             if critic is not None:
                 batch.values[rows] = critic_values(critic, mb, inputs)
+    mask = batch.response_mask.bool()
     if cfg.whiten_scores:  # here, not in the producer: under torchrun it is a collective, which only this thread runs
         batch.scores = masked_whiten(batch.scores, torch.ones_like(batch.scores))
-    kl = torch.where(batch.scored, kl_estimate(batch.old_logprobs, batch.ref_logprobs, cfg.kl_estimator), 0.0)
+    kl = torch.where(mask, kl_estimate(batch.old_logprobs, batch.ref_logprobs, cfg.kl_estimator), 0.0)  # (B, T)
     reward_kl_coef = cfg.kl_coef if cfg.kl_in == "reward" else 0.0  # (--kl-in loss: ppo_update adds it)
     batch.rewards = per_token_rewards(batch.scores, kl, batch.response_mask, reward_kl_coef)
     if cfg.advantage == "gae":
         advantages, batch.returns = gae(batch.rewards, batch.values, batch.response_mask, cfg.gamma, cfg.lam)
-        batch.advantages = masked_whiten(advantages, batch.scored)
+        batch.advantages = masked_whiten(advantages, batch.response_mask)
     else:  # every token of a completion gets its completion's advantage; no critic, no returns
         returns = batch.rewards.sum(-1)  # (B,) the score minus the KL in the rewards
         advantage = group_advantages(returns, n, cfg.advantage, cfg.scale_rewards)
-        batch.advantages = torch.where(batch.scored, advantage[:, None], 0.0)
+        batch.advantages = torch.where(mask, advantage[:, None], 0.0)
     off_policy_correction(batch, cfg, version)
     if n > 1:  # groups without signal: counted (and with --drop-flat-groups out of the loss: loss_tokens)
         batch.correction["zero_std_groups"] = int(flat.sum()) // n
@@ -607,24 +607,24 @@ def off_policy_correction(batch: Rollout, cfg: Config, version=None):
     RL framework secretly brings you off-policy RL training"): a sampler whose numerics differ from the trainer's
     (bf16, other kernels) is a slightly different policy even at the same version."""
     mask = batch.response_mask.bool()
-    scored = batch.scored  # (the weights' statistics: only the rows the trainer scored have prox log-probs)
+    in_loss = batch.loss_rows  # (the statistics': a row skipped (skip_loss_free_rows) has no prox log-probs)
     age = torch.zeros_like(batch.policy_version) if version is None else version - batch.policy_version  # (B, T)
     # fresh = the whole row, prompt pass included, ran on the trainer's weights (versions only grow along a row: an
     # in-flight update leaves the older weights' KV cache behind the newer tokens, so those are not fresh)
     fresh = (age[:, :1] == 0).expand_as(age) & (not cfg.mismatch_correction)
     log_ratio = batch.old_logprobs - batch.behav_logprobs  # log pi_prox / pi_behav
     weight = torch.where(fresh, 1.0, torch.exp(log_ratio))
-    capped = scored & (weight > cfg.is_cap)
+    capped = mask & (weight > cfg.is_cap)
     batch.is_weight = torch.where(capped, cfg.is_cap if cfg.is_mode == "truncate" else 0.0, weight)
     batch.correction = {"staleness_mean": float(masked_mean(age.float(), mask)),
                         "staleness_max": int(torch.where(mask, age, 0).max()),
-                        "is_weight_mean": float(masked_mean(batch.is_weight, scored)),
-                        "is_weight_max": float(torch.where(scored, weight, 0.0).max()),
-                        "is_capped_frac": float(masked_mean(capped.float(), scored)),
+                        "is_weight_mean": float(masked_mean(batch.is_weight, in_loss)),
+                        "is_weight_max": float(torch.where(in_loss, weight, 0.0).max()),
+                        "is_capped_frac": float(masked_mean(capped.float(), in_loss)),
                         # the sampler / trainer mismatch: |log pi_prox - log pi_behav|, and KL(behav || prox) (k3)
-                        "behav_prox_max_diff": float(torch.where(scored, log_ratio, 0.0).abs().max()),
-                        "behav_prox_mean_diff": float(masked_mean(log_ratio.abs(), scored)),
-                        "behav_prox_kl": float(masked_mean(torch.expm1(log_ratio) - log_ratio, scored)),
+                        "behav_prox_max_diff": float(torch.where(in_loss, log_ratio, 0.0).abs().max()),
+                        "behav_prox_mean_diff": float(masked_mean(log_ratio.abs(), in_loss)),
+                        "behav_prox_kl": float(masked_mean(torch.expm1(log_ratio) - log_ratio, in_loss)),
                         "tokens_dropped": int((mask & ~batch.loss_mask.bool()).sum())}
 
 
@@ -742,10 +742,9 @@ def ppo_update(policy, critic, policy_opt, critic_opt, batch: Rollout, cfg: Conf
 
 
 def update_minibatches(batch: Rollout, cfg: Config, row_orders):
-    """The rows of each optimizer step, epoch by epoch: row_orders[e] (epoch e's row order) split into --minibatches.
-    A row without a loss token (a dropped flat group, tokens past --max-token-age) adds nothing to the loss or its
-    gradient, so it is left out of the forwards (the scoring pass and the update's) when skip_loss_free_rows. A
-    minibatch keeps one row, so that each rank still steps in DDP's lockstep."""
+    """The rows of each optimizer step, epoch by epoch: row_orders[e] (epoch e's row order) split into --minibatches,
+    less the rows without a loss token when skip_loss_free_rows. A minibatch keeps one row, so that each rank still
+    steps in DDP's lockstep."""
     minibatch_size = batch.response.shape[0] // cfg.minibatches
     minibatches = [rows for order in row_orders for rows in order.to(batch.response.device).split(minibatch_size)]
     has_loss = batch.loss_mask.any(1)  # (B,)
@@ -756,9 +755,13 @@ def update_minibatches(batch: Rollout, cfg: Config, row_orders):
 
 
 def skip_loss_free_rows(cfg: Config) -> bool:
-    """Whether rows without a loss token skip their forwards: not under torchrun with micro-batches, where the ranks'
-    micro-batch counts must agree (FSDP2 gathers the weights in each forward, a collective)."""
-    return not (torch.distributed.is_initialized() and (cfg.micro_batch_size or cfg.micro_batch_tokens))
+    """Whether a row without a loss token (a dropped flat group, tokens past --max-token-age) skips every forward after
+    the reward: the reference's, the scoring pass and the update's. It adds nothing to the loss or its gradient, and
+    with group advantages and the KL in the loss nothing else reads those forwards (GAE needs every row's values; a
+    KL in the reward enters the group baselines). Not under torchrun with micro-batches: the ranks' micro-batch
+    counts must agree (FSDP2 gathers the weights in each forward, a collective)."""
+    lockstep = torch.distributed.is_initialized() and (cfg.micro_batch_size or cfg.micro_batch_tokens)
+    return cfg.advantage != "gae" and cfg.kl_in == "loss" and not lockstep
 
 
 def micro_step(policy, critic, mb: Rollout, cfg: Config, n_tokens, loss_denom, token_weight=None) -> dict:
@@ -2097,11 +2100,11 @@ def iteration_record(step, batch: Rollout, kl, stats: dict, cfg: Config, lr, ite
     sampler_busy = busy.get("sampler_busy_s", 0.0)
     return {"step": step,
             "reward_mean": float(batch.raw_scores.mean()),
-            "kl": float(masked_mean(kl.sum(-1), batch.scored.any(1))),  # per sequence, over the rows scored
-            "kl_per_token": float(masked_mean(kl, batch.scored)),
+            "kl": float(masked_mean(kl.sum(-1), batch.loss_rows.any(1))),  # per sequence, the rows in the loss
+            "kl_per_token": float(masked_mean(kl, batch.loss_rows)),
             **stats,  # ppo_update's losses, clip fractions, approx_kl, entropy, grad norms
             **({} if batch.returns is None else  # (no critic: grpo / rloo)
-               {"explained_variance": float(explained_variance(batch.values, batch.returns, batch.scored))}),
+               {"explained_variance": float(explained_variance(batch.values, batch.returns, batch.response_mask))}),
             "response_length": response_tokens / B,
             "response_tokens": response_tokens,
             # the share of a padded (B, P + T) forward that is padding: what --micro-batch-tokens does not compute

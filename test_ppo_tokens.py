@@ -460,14 +460,14 @@ def test_importance_weights_are_exactly_one_for_fresh_tokens_and_version_rejecti
     mask, age = batch.response_mask.bool(), 5 - batch.policy_version
     assert (batch.is_weight[mask & (age == 0)] == 1.0).all()  # exactly 1, though behav != prox numerically
     expected = torch.exp(batch.old_logprobs - batch.behav_logprobs).clamp(max=cfg.is_cap)
-    torch.testing.assert_close(batch.is_weight[mask & (age == 1)], expected[mask & (age == 1)])
-    assert torch.equal(batch.loss_mask.bool(), mask & (age <= 1))  # age 2 dropped ...
-    assert torch.equal(batch.scored, mask & (age <= 1))  # ... and its rows, without a loss token, were not scored
+    torch.testing.assert_close(batch.is_weight[mask & (age > 0)], expected[mask & (age > 0)])
+    assert torch.equal(batch.loss_mask.bool(), mask & (age <= 1))  # age 2 dropped (its rows out of the statistics)
+    assert torch.equal(batch.loss_rows, mask & (age <= 1))
     assert batch.correction["tokens_dropped"] == int((mask & (age == 2)).sum()) > 0
     assert batch.correction["staleness_max"] == 2
     cfg.is_mode, cfg.is_cap = "mask", 1.0
     pt.score_trainer(batch, policy, critic, cfg, version=5)
-    capped = mask & (torch.exp(batch.old_logprobs - batch.behav_logprobs) > 1.0) & (age == 1)
+    capped = mask & (torch.exp(batch.old_logprobs - batch.behav_logprobs) > 1.0) & (age > 0)
     assert capped.any() and (batch.is_weight[capped] == 0).all()
 
 
@@ -737,14 +737,18 @@ def test_rows_without_a_loss_token_skip_the_update_and_change_nothing(tokenizer)
         pt.backbone_of(model).register_forward_pre_hook(
             lambda m, args, kwargs: seen.append(kwargs["input_ids"].shape[0]), with_kwargs=True)
     kl = score(batch, policy, reference, None, lambda b: torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0]), cfg)
-    assert batch.correction["zero_std_groups"] == 1 and not batch.scored[4:].any()
-    assert batch.scored[:4].equal(batch.response_mask[:4].bool()) and not kl[4:].any()  # statistics: kept rows only
+    assert batch.correction["zero_std_groups"] == 1 and not batch.loss_rows[4:].any()
+    assert batch.loss_rows[:4].equal(batch.response_mask[:4].bool()) and not kl[4:].any()  # the sampler's values
     pt.ppo_update(policy, None, torch.optim.SGD(policy.parameters(), lr=1.0), None, batch, cfg, [torch.arange(8)])
     assert seen == [4, 4, 4]  # the reference, the scoring pass, the update: only the rows with loss tokens
     pt.ppo_update(copy, None, torch.optim.SGD(copy.parameters(), lr=1.0), None, batch.rows(first_group), cfg,
                   [first_group])  # the same step from a batch that never held the flat group
     for a, b in zip(policy.parameters(), copy.parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    cfg.kl_in, seen[:] = "reward", []  # a KL in the reward enters the group baselines: every row is scored
+    score(batch, policy, reference, None, lambda b: torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0]), cfg)
+    pt.ppo_update(policy, None, torch.optim.SGD(policy.parameters(), lr=1.0), None, batch, cfg, [torch.arange(8)])
+    assert seen == [8, 8, 8]
 
 
 def test_gradient_clipping_bounds_each_step(tokenizer):
@@ -1460,16 +1464,18 @@ def test_whitening_and_the_first_update_do_not_depend_on_the_world_size(tmp_path
 def test_torchrun_critic_free_ddp_and_fsdp2_train_and_resume(tmp_path):
     write_reward_module(tmp_path)
     base = [SCRIPT, *LOOP, "--steps", "3", "--save-every", "2", "--samples-per-prompt", "4"]
-    # rloo under DDP with micro-batches: every row is scored and updated (the ranks' micro-batch counts agree);
-    # grpo under FSDP2 without: the dropped flat groups skip their forwards, so the ranks' row counts differ
-    for advantage, more in (("rloo", ["--micro-batch-size", "2"]), ("grpo", ["--fsdp", "--micro-batch-size", "0"])):
-        out_dir = tmp_path / advantage
-        full = digests(torchrun([*base, "--advantage", advantage, *more, "--output-dir", str(out_dir)],
+    # with micro-batches every row is scored and updated (the ranks' micro-batch counts agree); without, the dropped
+    # flat groups skip their forwards, so the ranks' row counts differ
+    for name, more in (("rloo", ["--micro-batch-size", "2"]), ("grpo", ["--fsdp", "--micro-batch-size", "2"]),
+                       ("grpo-skip", ["--fsdp", "--micro-batch-size", "0"])):
+        out_dir = tmp_path / name
+        full = digests(torchrun([*base, "--advantage", name[:4], *more, "--output-dir", str(out_dir)],
                                 tmp_path).stdout)
         assert full[0] == full[1] and not (out_dir / "checkpoints/step-00000003/critic.pt").exists()
         assert sum(r.get("zero_std_groups", 0) for r in read_metrics(out_dir)) > 0  # (flat groups were dropped)
-        resumed = torchrun([SCRIPT, "--resume", str(pt.checkpoints(out_dir)[0])], tmp_path).stdout
-        assert "step-00000002 after iteration 2/3" in resumed and digests(resumed) == full, advantage
+        if name != "grpo-skip":
+            resumed = torchrun([SCRIPT, "--resume", str(pt.checkpoints(out_dir)[0])], tmp_path).stdout
+            assert "step-00000002 after iteration 2/3" in resumed and digests(resumed) == full, name
 
 
 def test_torchrun_two_ranks_ddp_and_fsdp2_train_resume_and_stay_identical(tmp_path):
