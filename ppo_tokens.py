@@ -607,7 +607,7 @@ def off_policy_correction(batch: Rollout, cfg: Config, version=None):
     RL framework secretly brings you off-policy RL training"): a sampler whose numerics differ from the trainer's
     (bf16, other kernels) is a slightly different policy even at the same version."""
     mask = batch.response_mask.bool()
-    in_loss = batch.loss_rows  # (the statistics': a row skipped (skip_loss_free_rows) has no prox log-probs)
+    in_loss = batch.loss_rows  # what the statistics cover: a row skipped (skip_loss_free_rows) has no prox log-probs
     age = torch.zeros_like(batch.policy_version) if version is None else version - batch.policy_version  # (B, T)
     # fresh = the whole row, prompt pass included, ran on the trainer's weights (versions only grow along a row: an
     # in-flight update leaves the older weights' KV cache behind the newer tokens, so those are not fresh)
