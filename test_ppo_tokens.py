@@ -745,7 +745,8 @@ def test_rows_without_a_loss_token_skip_the_update_and_change_nothing(tokenizer)
                   [first_group])  # the same step from a batch that never held the flat group
     for a, b in zip(policy.parameters(), copy.parameters()):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
-    cfg.kl_in, seen[:] = "reward", []  # a KL in the reward enters the group baselines: every row is scored
+    cfg.kl_in = "reward"  # a KL in the reward enters the group baselines: every row is scored
+    seen.clear()
     score(batch, policy, reference, None, lambda b: torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0]), cfg)
     pt.ppo_update(policy, None, torch.optim.SGD(policy.parameters(), lr=1.0), None, batch, cfg, [torch.arange(8)])
     assert seen == [8, 8, 8]
