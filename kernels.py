@@ -801,7 +801,15 @@ class StaticDecoder:
         self.column = torch.zeros(1, dtype=torch.long, device=device)  # the cache column the next token goes to
         self.graph, self.prefill, self.decode = None, model, model  # fast_decoder may swap in compiled model calls
         self.grouped = {"grouped_decode": True} if use_ppo_attention(model) else {}  # GQA without repeating K/V
+        self.shared = None  # share_prefill: a decoder of batch_size / group rows for the groups' prompts
         self.warm_up()  # allocates the cache (transformers does it lazily)
+
+    def share_prefill(self, group: int):
+        """Rows in groups of `group` that share one prompt (--samples-per-prompt) prefill it once: the prompt's keys
+        and values are computed for one row of each group, then copied to the others (vLLM's n samples of a prompt
+        share its prefill the same way). A batch whose rows do not repeat prefills every row."""
+        self.group = group
+        self.shared = StaticDecoder(self.model, self.mask.shape[0] // group, self.max_len)
 
     def warm_up(self):  # a 2-token prompt: a compiled prefill would specialise (and recompile) on length 1
         # (contiguous, as every prompt: an expanded view would fail a compiled prefill's stride guards)
@@ -833,6 +841,12 @@ class StaticDecoder:
         allowed = (self.mask[:, None, None, :] & (key <= query)) | (key == query)
         self.position.copy_(position_ids[:, -1:])
         self.column.fill_(P)
+        if self.shared is not None and repeats_in_groups(prompt_ids, prompt_mask, self.group):
+            g, self.shared.prefill = self.group, self.prefill  # (a compiled prefill too)
+            # (contiguous copies: a compiled prefill guards on strides)
+            logits = self.shared.start(*(x[::g].contiguous() for x in (prompt_ids, prompt_mask, position_ids)))
+            repeat_cache_rows(self.shared.cache[self.cache_kwarg], self.cache[self.cache_kwarg], g)
+            return logits.repeat_interleave(g, 0)
         return self.prefill(input_ids=prompt_ids, attention_mask=allowed, position_ids=position_ids, **self.cache,
                             **self.keep).logits[:, -1]
 
@@ -851,11 +865,30 @@ class StaticDecoder:
                            position_ids=self.position, **self.cache, **self.keep, **self.grouped).logits[:, -1]
 
 
-def agrees_with_plain_loop(decoder, model, batch_size: int, plain):
-    """Raises if decoder's logits are not those of plain(model) (ppo_tokens.PlainDecoder) on a left-padded batch."""
-    ids = torch.randint(0, model.config.vocab_size, (batch_size, 3), device=model.device)
+def repeats_in_groups(prompt_ids, prompt_mask, group: int) -> bool:  # rows g*group .. g*group + group-1 are alike
+    P = prompt_ids.shape[1]
+    alike = [(x.view(-1, group, P) == x[::group, None]).all() for x in (prompt_ids, prompt_mask)]
+    return bool(alike[0] & alike[1])  # (one host sync per batch)
+
+
+def repeat_cache_rows(source, target, group: int):
+    """target (a StaticCache of group x source's rows) <- source with each row repeated `group` times: every tensor
+    its layers hold (keys, values, and the write position where transformers keeps one)."""
+    for source_layer, target_layer in zip(source.layers, target.layers, strict=True):
+        for name, tensor in vars(target_layer).items():
+            if isinstance(tensor, torch.Tensor):
+                rows = getattr(source_layer, name)
+                tensor.copy_(rows if rows.shape == tensor.shape else rows.repeat_interleave(group, 0))
+
+
+def agrees_with_plain_loop(decoder, model, batch_size: int, plain, group=1):
+    """Raises if decoder's logits are not those of plain(model) (ppo_tokens.PlainDecoder) on a left-padded batch
+    (group > 1: of rows that repeat in groups of that many)."""
+    ids = torch.randint(0, model.config.vocab_size, (batch_size // group, 3), device=model.device)
+    # (group 1: randint's own tensor; through repeat_interleave, a compiled prefill recompiled for later prompts)
+    ids = ids.repeat_interleave(group, 0) if group > 1 else ids
     mask = torch.ones_like(ids)
-    mask[0, 0] = 0  # a left pad
+    mask[:group, 0] = 0  # a left pad
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
     outputs = [[d.start(ids, mask, position_ids), d.step(ids[:, 1]).clone(), d.step(ids[:, 2])]
                for d in (decoder, plain(model))]
@@ -867,9 +900,10 @@ def agrees_with_plain_loop(decoder, model, batch_size: int, plain):
 
 
 @torch.no_grad()
-def fast_decoder(model, batch_size: int, max_len: int, plain, compiled=False, threads=0):
+def fast_decoder(model, batch_size: int, max_len: int, plain, compiled=False, threads=0, group=1):
     """A StaticDecoder for model, with a CUDA graph on GPU, when it gives the logits of plain(model), the plain loop
     (ppo_tokens.PlainDecoder), on a test batch; else that plain decoder (or no graph), with a message that says why.
+    group > 1: groups of that many rows with one prompt prefill it once (StaticDecoder.share_prefill).
     compiled: its prefill and decode step go through torch.compile (dynamic shapes for the prompt length, static for
     the step), compiled here under `threads` intra-op threads (0 = as now), the number the sampler runs with: the
     compiled code is specialised to it."""
@@ -880,6 +914,14 @@ def fast_decoder(model, batch_size: int, max_len: int, plain, compiled=False, th
     except Exception as e:  # a model family the fast path does not support: sample with the plain loop
         fall_back(f"fast sampler off for {name} ({str(e).splitlines()[0][:200]}); using the plain decode loop")
         return plain(model)
+    if group > 1 and batch_size % group == 0:
+        try:
+            decoder.share_prefill(group)
+            agrees_with_plain_loop(decoder, model, batch_size, plain, group)
+        except Exception as e:  # a cache layout repeat_cache_rows does not know
+            decoder.shared = None
+            fall_back(f"shared prefill off for {name} ({str(e).splitlines()[0][:200]}); every row prefills its prompt")
+    groups = (1, group) if decoder.shared is not None else (1,)  # the batches to check again after a compile / capture
     if compiled:
         t0 = time.perf_counter()
         now = torch.get_num_threads()
@@ -888,7 +930,8 @@ def fast_decoder(model, batch_size: int, max_len: int, plain, compiled=False, th
             torch.set_num_threads(threads or now)
             decoder.prefill = torch.compile(model, dynamic=True)
             decoder.decode = torch.compile(model, dynamic=False)
-            agrees_with_plain_loop(decoder, model, batch_size, plain)  # compiles both, then checks them
+            for g in groups:  # compiles both, then checks them
+                agrees_with_plain_loop(decoder, model, batch_size, plain, g)
             print(f"compiled in {time.perf_counter() - t0:.0f} s")
         except Exception as e:  # e.g. no C++ compiler on a CPU machine, or an op inductor does not support
             decoder.prefill = decoder.decode = model
@@ -899,7 +942,8 @@ def fast_decoder(model, batch_size: int, max_len: int, plain, compiled=False, th
     if model.device.type == "cuda":
         try:
             decoder.capture()
-            agrees_with_plain_loop(decoder, model, batch_size, plain)
+            for g in groups:
+                agrees_with_plain_loop(decoder, model, batch_size, plain, g)
         except Exception as e:  # e.g. a host sync inside the model's forward (dynamic RoPE)
             torch.cuda.synchronize()
             decoder.graph = None

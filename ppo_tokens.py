@@ -1696,7 +1696,7 @@ def start_training(cfg: Config, run, output_dir: str, threaded, ctx: Dist) -> Tr
     if cfg.static_cache:
         cpu_thread = threaded and sampler.device.type == "cpu"  # the sampler thread runs one intra-op thread
         t.decoder = fast_decoder(sampler, rank_rows.stop - rank_rows.start, longest, PlainDecoder,
-                                 cfg.compile_sampler, threads=1 if cpu_thread else 0)
+                                 cfg.compile_sampler, threads=1 if cpu_thread else 0, group=cfg.samples_per_prompt)
     return t
 
 

@@ -1228,6 +1228,28 @@ def test_fast_sampler_gives_the_plain_loops_tokens_and_logprobs(tokenizer, famil
                                    atol=1e-12 if dtype == torch.float64 else 1e-5)
 
 
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_a_groups_shared_prompt_is_prefilled_once_and_samples_the_plain_loops_tokens(tokenizer, family):
+    """--samples-per-prompt: the fast sampler prefills one row per group and copies its cache to the group's others;
+    a batch whose rows do not repeat in groups prefills every row. Both sample what the plain loop samples."""
+    policy = (tiny_gpt2 if family == "gpt2" else tiny_llama)(len(tokenizer), seed=2)
+    grouped = [t for t in ["1+2=", "37+45=", "123+4="] for _ in range(4)]  # 3 groups of 4, ragged: left padding
+    decoder = pt.fast_decoder(policy, len(grouped), 20, pt.PlainDecoder, group=4)
+    assert decoder.shared is not None
+    forwards = []  # the (rows, columns) of each model call: a prefill has more than one column
+    hook = policy.register_forward_pre_hook(lambda m, a, kw: forwards.append(tuple(kw["input_ids"].shape)),
+                                            with_kwargs=True)
+    for texts, prefill_rows in ((grouped, 3), (grouped[::4] + grouped[1::4] + grouped[2::4] + grouped[3::4], 12)):
+        ids, mask = pt.left_pad(pt.format_prompts(tokenizer, texts, False, 64), tokenizer.pad_token_id, "cpu")
+        batches = [pt.generate(sampler, ids, mask, max_new_tokens=8, temperature=0.9, stop_ids=tokenizer.eos_token_id,
+                               pad_id=tokenizer.pad_token_id, generator=torch.Generator().manual_seed(7))
+                   for sampler in (policy, decoder)]
+        assert torch.equal(batches[1].response, batches[0].response)
+        torch.testing.assert_close(batches[1].behav_logprobs, batches[0].behav_logprobs, rtol=0, atol=1e-12)
+        assert [f for f in forwards if f[1] > 1][-1] == (prefill_rows, ids.shape[1])  # the decoder's prefill
+    hook.remove()
+
+
 def test_grouped_decode_attention_equals_sdpa_with_repeated_kv():
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     g = torch.Generator().manual_seed(0)
@@ -2002,14 +2024,17 @@ def test_cuda_bench_rollout_runs(tmp_path):
 
 
 @cuda
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_fast_sampler_replays_a_captured_graph_with_the_plain_loops_tokens(tokenizer, dtype, monkeypatch):
+@pytest.mark.parametrize("dtype,group", [(torch.float32, 1), (torch.bfloat16, 1), (torch.float32, 3)])
+def test_cuda_fast_sampler_replays_a_captured_graph_with_the_plain_loops_tokens(tokenizer, dtype, group, monkeypatch):
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     policy = pt.cast_parameters(tiny_llama(len(tokenizer), seed=2, dtype=torch.float32).cuda(), dtype)  # GQA: 4 / 2
     texts = ["1+2=", "37+45=", "9+90=", "5+5=", "123+4=", "0+0="]
+    if group > 1:  # groups of one prompt (--samples-per-prompt): the prefill runs once per group
+        texts = [t for t in texts[:len(texts) // group] for _ in range(group)]
     ids, mask = pt.left_pad(pt.format_prompts(tokenizer, texts, False, 64), tokenizer.pad_token_id, "cuda")
-    decoder = pt.fast_decoder(policy, len(texts), ids.shape[1] + 12, pt.PlainDecoder)
+    decoder = pt.fast_decoder(policy, len(texts), ids.shape[1] + 12, pt.PlainDecoder, group=group)
     assert isinstance(decoder, pt.StaticDecoder) and decoder.graph is not None and decoder.grouped
+    assert (decoder.shared is not None) == (group > 1)
     sample = lambda sampler: pt.generate(sampler, ids, mask, max_new_tokens=10, temperature=0.9,
                                          stop_ids=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
                                          generator=torch.Generator("cuda").manual_seed(7))
@@ -2017,7 +2042,7 @@ def test_cuda_fast_sampler_replays_a_captured_graph_with_the_plain_loops_tokens(
     graph, decoder.graph = decoder.graph, None
     eager = sample(decoder)  # the same decoder without its graph
     decoder.graph = graph
-    kernels.agrees_with_plain_loop(decoder, policy, len(texts), pt.PlainDecoder)  # the replayed graph, after two batches, still agrees
+    kernels.agrees_with_plain_loop(decoder, policy, len(texts), pt.PlainDecoder, group)  # the replayed graph, after two batches, still agrees
     if dtype == torch.float32:  # fp32: the same tokens as the plain DynamicCache loop (bf16 could flip a near-tie)
         plain = sample(policy)
         for batch in (replayed, again, eager):
