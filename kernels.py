@@ -623,8 +623,8 @@ def linear_token_logprobs(hidden, weight, tokens, temperature=1.0, *, mask=None,
 # ------------------------------------------------------------------------------------------------------ fast paths
 # The same results as ppo_tokens.py's plain paths, faster; each is checked against its plain path before it is used
 # (fast_decoder, use_packed_attention, fused_head_agrees), and ppo_tokens.py calls it through one small function.
-# - StaticDecoder: the sampler's model calls with a preallocated KV cache and a CUDA graph per decode step (the plain
-#   path: ppo_tokens.PlainDecoder).
+# - StaticDecoder: the sampler's model calls with a preallocated KV cache and a CUDA graph per decode step, and a
+#   group's shared prompt prefilled once (the plain path: ppo_tokens.PlainDecoder).
 # - Packed (padding-free) forwards: the real tokens of a micro-batch as one row (pack_sequences), and an attention for
 #   transformers that keeps the sequences apart: flash-attn's varlen kernel when it imports (CUDA, bf16/fp16),
 #   otherwise SDPA on a right-padded view of the packed sequences: every linear layer, norm and the lm_head run on the

@@ -2214,10 +2214,11 @@ def bench_overlap(cfg: Config, output_dir: str):
 
 
 def bench_rollout(cfg: Config):
-    """--bench-rollout: (1) tokens/s of our sampler (fast_decoder; with --compile-sampler the eager one too) against
-    transformers' generate and our plain DynamicCache loop, on the sampler copy, --batch-size rows of exactly
-    --response-length tokens (EOS ignored); on CUDA also the decode step against the weights-read bound. (2) One PPO
-    update on lengths spread 4:1, padded (--micro-batch-size rows) vs packed (same capacity or --micro-batch-tokens)."""
+    """--bench-rollout: (1) tokens/s of our sampler (fast_decoder; with --compile-sampler the eager one too; with
+    --samples-per-prompt n also its prefill shared by each group) against transformers' generate and our plain
+    DynamicCache loop, on the sampler copy, --batch-size rows of exactly --response-length tokens (EOS ignored); on
+    CUDA also the decode step against the weights-read bound. (2) One PPO update on lengths spread 4:1, padded
+    (--micro-batch-size rows) vs packed (same capacity or --micro-batch-tokens)."""
     cfg = dataclasses.replace(cfg, demo_warmup_max_steps=0)  # speed does not depend on the weights
     run = setup(cfg)  # (which may turn --full-logits on)
     ratio = bench_sampling(cfg, run)
@@ -2229,12 +2230,16 @@ def bench_sampling(cfg: Config, run) -> float:  # part (1) of --bench-rollout; r
     policy, tokenizer, device = run.policy, run.tokenizer, run.policy.device
     B, T = cfg.batch_size, cfg.response_length
     sampler = sampler_copy(policy)  # as train() makes it
-    ids, mask = left_pad([run.prompt_ids[i % len(run.prompt_ids)] for i in range(B)], tokenizer.pad_token_id, device)
+    n = cfg.samples_per_prompt  # rows in groups of n with one prompt, as train() samples them
+    ids, mask = left_pad([run.prompt_ids[i // n % len(run.prompt_ids)] for i in range(B)], tokenizer.pad_token_id,
+                         device)
     max_len = max(map(len, run.prompt_ids)) + T  # the decoders are sized as train() sizes them
     eager = fast_decoder(sampler, B, max_len, PlainDecoder)
     decoders = {type(eager).__name__: eager}
+    if n > 1 and isinstance(eager, StaticDecoder):  # and with each group's prompt prefilled once
+        decoders["shared prefill"] = fast_decoder(sampler, B, max_len, PlainDecoder, group=n)
     if cfg.compile_sampler and isinstance(eager, StaticDecoder):
-        compiled = fast_decoder(sampler, B, max_len, PlainDecoder, compiled=True)
+        compiled = fast_decoder(sampler, B, max_len, PlainDecoder, compiled=True, group=n)
         if compiled.decode is not sampler:  # (unless it fell back)
             decoders["compiled"] = compiled
     name, decoder = list(decoders.items())[-1]  # what train() samples with

@@ -1557,7 +1557,7 @@ def test_bench_rollout_runs_and_ends_with_the_ratio_line(tmp_path):  # the entry
     out = run_script(["--bench-rollout", "--batch-size", "8", "--response-length", "3", "--minibatches", "2",
                       "--demo-hidden", "32", "--demo-layers", "1", "--device", "cpu", "--advantage", "rloo",
                       "--samples-per-prompt", "2"], tmp_path)  # critic-free: the update benchmark builds no critic
-    assert "packed" in out and out.strip().splitlines()[-1].startswith("sampler vs generate: ")
+    assert "packed" in out and "shared prefill" in out and out.strip().splitlines()[-1].startswith("sampler vs generate: ")
 
 
 # ---------------------------------------------------------------------------------------------------------------
