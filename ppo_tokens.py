@@ -89,7 +89,7 @@ class Config:
     chat_template: bool = arg(True, "wrap each prompt in the tokenizer's chat template when it has one")
     max_prompt_length: int = arg(512, "longest prompt in tokens; longer ones are cut or refused, see --long-prompts")
     # rollout
-    steps: int = arg(0, "PPO iterations: one rollout batch and its update each; 0 = 300 for gae, 500 for grpo / rloo")
+    steps: int = arg(0, "PPO iterations: one rollout batch and its update each; 0 = 300 for gae, 800 for grpo / rloo")
     batch_size: int = arg(0, "rollouts (prompt + one sampled completion) per iteration; 0 = 256 for gae, 64 prompts "
                           "x --samples-per-prompt for grpo / rloo")
     response_length: int = arg(0, "max new tokens per completion; 0 = 4 for the demo, 128 otherwise")
@@ -196,7 +196,7 @@ class Config:
         # one prompt, so 64 prompts a batch; one pass each (GRPO's mu = 1); and flat groups, most of a late batch,
         # leave the loss instead of diluting it (so a lower lr). An iteration without a critic costs about half.
         critic_free = self.advantage != "gae"
-        self.steps = self.steps or (500 if critic_free else 300)
+        self.steps = self.steps or (800 if critic_free else 300)
         self.batch_size = self.batch_size or (64 * self.samples_per_prompt if critic_free else 256)
         self.ppo_epochs = self.ppo_epochs or (1 if critic_free else 2)
         self.lr = self.lr or (3e-4 if critic_free else 5e-4)
