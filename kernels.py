@@ -878,7 +878,10 @@ def repeat_cache_rows(source, target, group: int):
         for name, tensor in vars(target_layer).items():
             if isinstance(tensor, torch.Tensor):
                 rows = getattr(source_layer, name)
-                tensor.copy_(rows if rows.shape == tensor.shape else rows.repeat_interleave(group, 0))
+                if rows.shape == tensor.shape:  # (the write position)
+                    tensor.copy_(rows)
+                else:  # in place, by broadcasting: no repeated copy of the cache in between
+                    tensor.unflatten(0, (-1, group)).copy_(rows.unsqueeze(1))
 
 
 def agrees_with_plain_loop(decoder, model, batch_size: int, plain, group=1):
