@@ -477,6 +477,14 @@ def masked_moments(x, mask):
     return mean, all_reduce(torch.where(mask, (x - mean) ** 2, 0.0).sum()) / (n - 1).clamp(min=1)
 
 
+def global_masked_means(pairs) -> list:
+    """[masked_mean(x, mask) for x, mask in pairs] over every rank's elements (one collective), for the logged
+    statistics: under torchrun a mean of the ranks' means would weigh a rank's few loss rows as another's many."""
+    parts = [torch.stack([torch.where(m.bool(), x, 0.0).sum().double(), m.bool().sum().double()]) for x, m in pairs]
+    totals = all_reduce(torch.stack(parts))  # (n, 2): sums and counts
+    return (totals[:, 0] / totals[:, 1].clamp(min=1)).tolist()
+
+
 def masked_whiten(x, mask):
     """(x - mean) / std over the real tokens only: pads neither shift the statistics nor get a value (they stay 0).
     Unbiased variance, as TRL; over all ranks (masked_moments)."""
@@ -616,15 +624,17 @@ def off_policy_correction(batch: Rollout, cfg: Config, version=None):
     weight = torch.where(fresh, 1.0, torch.exp(log_ratio))
     capped = mask & (weight > cfg.is_cap)
     batch.is_weight = torch.where(capped, cfg.is_cap if cfg.is_mode == "truncate" else 0.0, weight)
-    batch.correction = {"staleness_mean": float(masked_mean(age.float(), mask)),
+    # the sampler / trainer mismatch: |log pi_prox - log pi_behav|, and KL(behav || prox) (k3)
+    means = global_masked_means([(age.float(), mask), (batch.is_weight, in_loss), (capped.float(), in_loss),
+                                 (log_ratio.abs(), in_loss), (torch.expm1(log_ratio) - log_ratio, in_loss)])
+    batch.correction = {"staleness_mean": means[0],
                         "staleness_max": int(torch.where(mask, age, 0).max()),
-                        "is_weight_mean": float(masked_mean(batch.is_weight, in_loss)),
+                        "is_weight_mean": means[1],
                         "is_weight_max": float(torch.where(in_loss, weight, 0.0).max()),
-                        "is_capped_frac": float(masked_mean(capped.float(), in_loss)),
-                        # the sampler / trainer mismatch: |log pi_prox - log pi_behav|, and KL(behav || prox) (k3)
+                        "is_capped_frac": means[2],
                         "behav_prox_max_diff": float(torch.where(in_loss, log_ratio, 0.0).abs().max()),
-                        "behav_prox_mean_diff": float(masked_mean(log_ratio.abs(), in_loss)),
-                        "behav_prox_kl": float(masked_mean(torch.expm1(log_ratio) - log_ratio, in_loss)),
+                        "behav_prox_mean_diff": means[3],
+                        "behav_prox_kl": means[4],
                         "tokens_dropped": int((mask & ~batch.loss_mask.bool()).sum())}
 
 
@@ -2098,10 +2108,11 @@ def iteration_record(step, batch: Rollout, kl, stats: dict, cfg: Config, lr, ite
     sequence_tokens = response_tokens + int(batch.prompt_mask.sum())
     trainer_busy = busy.get("trainer_busy_s", 0.0)
     sampler_busy = busy.get("sampler_busy_s", 0.0)
+    kl_means = global_masked_means([(kl.sum(-1), batch.loss_rows.any(1)), (kl, batch.loss_rows)])
     return {"step": step,
             "reward_mean": float(batch.raw_scores.mean()),
-            "kl": float(masked_mean(kl.sum(-1), batch.loss_rows.any(1))),  # per sequence, the rows in the loss
-            "kl_per_token": float(masked_mean(kl, batch.loss_rows)),
+            "kl": kl_means[0],  # per sequence, over the rows in the loss
+            "kl_per_token": kl_means[1],
             **stats,  # ppo_update's losses, clip fractions, approx_kl, entropy, grad norms
             **({} if batch.returns is None else  # (no critic: grpo / rloo)
                {"explained_variance": float(explained_variance(batch.values, batch.returns, batch.response_mask))}),
@@ -2124,7 +2135,8 @@ def iteration_record(step, batch: Rollout, kl, stats: dict, cfg: Config, lr, ite
 
 
 # How reduce_record combines a logged scalar over the ranks: summed (token counts and throughputs), maxed (maxima),
-# any other averaged (every rank holds as many rows, so row means average exactly; token means average the ranks').
+# any other averaged (every rank holds as many rows, so row means average exactly; the statistics over the rows in
+# the loss are global means already, global_masked_means; the few other token means average the ranks').
 SUMMED_METRICS = ("response_tokens", "tokens_dropped", "gen_tokens_per_s", "train_tokens_per_s", "tokens_per_s",
                   "zero_std_groups")
 MAXED_METRICS = ("staleness_max", "is_weight_max", "behav_prox_max_diff", "first_ratio_max_dev")

@@ -1466,8 +1466,20 @@ def first_iteration(world: int, rank: int, loss_agg="token-mean"):
     return torch.cat(advantages if world > 1 else [batch.advantages]), stats, [p.detach() for p in policy.parameters()]
 
 
+def unequal_shares(rank: int):  # (x, mask): a rank's share of a logged statistic, 3 elements on rank 0, 12 on rank 1
+    x = torch.randn(5, 3, generator=torch.Generator().manual_seed(rank), dtype=torch.float64) + 2.0 * rank
+    mask = torch.zeros(5, 3, dtype=torch.bool)
+    mask[:1 + 3 * rank] = True
+    return x, mask
+
+
 def test_whitening_and_the_first_update_do_not_depend_on_the_world_size(tmp_path):
     torchrun([os.path.abspath(__file__), str(tmp_path / "world2.pt")], tmp_path)
+    # the logged statistics over the rows in the loss: the mean over both ranks' elements, not of the ranks' means
+    (x0, m0), (x1, m1) = unequal_shares(0), unequal_shares(1)
+    expected = float(pt.masked_mean(torch.cat([x0, x1]), torch.cat([m0, m1])))
+    assert math.isclose(torch.load(tmp_path / "world2.pt")["global_means"][0], expected, rel_tol=1e-12)
+    assert abs(expected - (pt.masked_mean(x0, m0) + pt.masked_mean(x1, m1)) / 2) > 0.5  # (which would differ)
     advantages, stats, weights = first_iteration(1, 0)
     two = torch.load(tmp_path / "world2.pt")["token-mean"]
     torch.testing.assert_close(two["advantages"], advantages, rtol=1e-5, atol=1e-6)  # whitened over both ranks
@@ -2157,6 +2169,7 @@ if __name__ == "__main__":  # torchrun test_ppo_tokens.py OUT: the two-rank half
     for agg in LOSS_AGGS:
         advantages, stats, weights = first_iteration(ctx.world, ctx.rank, agg)
         results[agg] = {"advantages": advantages, "stats": stats, "weights": weights}
+    results["global_means"] = pt.global_masked_means([unequal_shares(ctx.rank)])
     if ctx.rank == 0:
         torch.save(results, sys.argv[1])
     import gc
