@@ -843,8 +843,9 @@ class StaticDecoder:
         self.column.fill_(P)
         if self.shared is not None and repeats_in_groups(prompt_ids, prompt_mask, self.group):
             g, self.shared.prefill = self.group, self.prefill  # (a compiled prefill too)
-            # (contiguous copies: a compiled prefill guards on strides)
-            logits = self.shared.start(*(x[::g].contiguous() for x in (prompt_ids, prompt_mask, position_ids)))
+            # (copies with standard strides, even for one row a group: a compiled prefill guards on strides)
+            logits = self.shared.start(*(x[::g].clone(memory_format=torch.contiguous_format)
+                                         for x in (prompt_ids, prompt_mask, position_ids)))
             repeat_cache_rows(self.shared.cache[self.cache_kwarg], self.cache[self.cache_kwarg], g)
             return logits.repeat_interleave(g, 0)
         return self.prefill(input_ids=prompt_ids, attention_mask=allowed, position_ids=position_ids, **self.cache,
@@ -873,15 +874,55 @@ def repeats_in_groups(prompt_ids, prompt_mask, group: int) -> bool:  # rows g*gr
 
 def repeat_cache_rows(source, target, group: int):
     """target (a StaticCache of group x source's rows) <- source with each row repeated `group` times: every tensor
-    its layers hold (keys, values, and the write position where transformers keeps one)."""
+    its layers hold (keys, values, the write position). Other layer kinds (recurrent states, ...) are refused."""
     for source_layer, target_layer in zip(source.layers, target.layers, strict=True):
+        if type(target_layer).__name__ not in ("StaticLayer", "StaticSlidingWindowLayer"):
+            raise ValueError(f"a {type(target_layer).__name__} cache layer")
         for name, tensor in vars(target_layer).items():
             if isinstance(tensor, torch.Tensor):
                 rows = getattr(source_layer, name)
                 if rows.shape == tensor.shape:  # (the write position)
                     tensor.copy_(rows)
-                else:  # in place, by broadcasting: no repeated copy of the cache in between
-                    tensor.unflatten(0, (-1, group)).copy_(rows.unsqueeze(1))
+                elif rows.dim() and tensor.shape == (group * rows.shape[0], *rows.shape[1:]):
+                    tensor.unflatten(0, (-1, group)).copy_(rows.unsqueeze(1))  # in place, by broadcasting
+                else:
+                    raise ValueError(f"cache tensor {name} of shape {tuple(rows.shape)} for {tuple(tensor.shape)}")
+        if hasattr(target_layer, "cumulative_length_int"):  # (a sliding-window layer's count, a Python int)
+            target_layer.cumulative_length_int = source_layer.cumulative_length_int
+
+
+def shared_cache_agrees(decoder, model, batch_size: int, group: int):
+    """Raises unless a shared prefill leaves the cache a prefill of every row builds (to rounding): a check that does
+    not depend on how peaked the model's next-token distributions are."""
+    ids = torch.randint(0, model.config.vocab_size, (batch_size // group, 3), device=model.device)
+    ids = ids.repeat_interleave(group, 0)
+    mask = torch.ones_like(ids)
+    mask[:group, 0] = 0  # a left pad
+    shared, states = decoder.shared, []
+    try:
+        for use_shared in (True, False):
+            decoder.shared = shared if use_shared else None
+            decoder.start(ids, mask, (mask.cumsum(-1) - 1).clamp(min=0))
+            layers = decoder.cache[decoder.cache_kwarg].layers
+            states.append([t.float() for layer in layers for t in vars(layer).values() if isinstance(t, torch.Tensor)])
+    finally:
+        decoder.shared = shared
+    for a, b in zip(*states, strict=True):
+        if not torch.allclose(a, b, rtol=0.02, atol=0.02):  # (bf16: a few rounding steps)
+            raise ValueError(f"its cache differs from a prefill of every row by {float((a - b).abs().max()):.3g}")
+
+
+def share_prefill_checked(decoder, model, batch_size: int, plain, name: str):
+    """Keeps decoder.shared only while it samples what the plain loop samples and builds the plain prefill's cache;
+    else turns the sharing off with a message (fall_back). Called after share_prefill, a compile and a capture."""
+    if decoder.shared is None:
+        return
+    try:
+        agrees_with_plain_loop(decoder, model, batch_size, plain, decoder.group)
+        shared_cache_agrees(decoder, model, batch_size, decoder.group)
+    except Exception as e:  # a cache layout repeat_cache_rows does not know
+        decoder.shared = None
+        fall_back(f"shared prefill off for {name} ({str(e).splitlines()[0][:200]}); every row prefills its prompt")
 
 
 def agrees_with_plain_loop(decoder, model, batch_size: int, plain, group=1):
@@ -895,10 +936,11 @@ def agrees_with_plain_loop(decoder, model, batch_size: int, plain, group=1):
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
     outputs = [[d.start(ids, mask, position_ids), d.step(ids[:, 1]).clone(), d.step(ids[:, 2])]
                for d in (decoder, plain(model))]
-    for a, b in zip(*outputs):  # fp32: log-probs within 1e-3; bf16 (one rounding step can be 0.25): distributions
+    exact = model.dtype in (torch.float32, torch.float64)
+    for a, b in zip(*outputs):  # fp32/64: log-probs within 1e-3; bf16 (one rounding step can be 0.25): distributions
         a, b = torch.log_softmax(a.float(), -1), torch.log_softmax(b.float(), -1)  # within 0.02 total variation
-        diff = (a - b).abs().max() if model.dtype == torch.float32 else 0.5 * (a.exp() - b.exp()).abs().sum(-1).max()
-        if diff > (1e-3 if model.dtype == torch.float32 else 0.02):
+        diff = (a - b).abs().max() if exact else 0.5 * (a.exp() - b.exp()).abs().sum(-1).max()
+        if diff > (1e-3 if exact else 0.02):
             raise ValueError(f"its next-token distributions differ from the plain loop's by {float(diff):.3g}")
 
 
@@ -918,13 +960,8 @@ def fast_decoder(model, batch_size: int, max_len: int, plain, compiled=False, th
         fall_back(f"fast sampler off for {name} ({str(e).splitlines()[0][:200]}); using the plain decode loop")
         return plain(model)
     if group > 1 and batch_size % group == 0:
-        try:
-            decoder.share_prefill(group)
-            agrees_with_plain_loop(decoder, model, batch_size, plain, group)
-        except Exception as e:  # a cache layout repeat_cache_rows does not know
-            decoder.shared = None
-            fall_back(f"shared prefill off for {name} ({str(e).splitlines()[0][:200]}); every row prefills its prompt")
-    groups = (1, group) if decoder.shared is not None else (1,)  # the batches to check again after a compile / capture
+        decoder.share_prefill(group)
+        share_prefill_checked(decoder, model, batch_size, plain, name)
     if compiled:
         t0 = time.perf_counter()
         now = torch.get_num_threads()
@@ -933,8 +970,8 @@ def fast_decoder(model, batch_size: int, max_len: int, plain, compiled=False, th
             torch.set_num_threads(threads or now)
             decoder.prefill = torch.compile(model, dynamic=True)
             decoder.decode = torch.compile(model, dynamic=False)
-            for g in groups:  # compiles both, then checks them
-                agrees_with_plain_loop(decoder, model, batch_size, plain, g)
+            agrees_with_plain_loop(decoder, model, batch_size, plain)  # compiles both, then checks them
+            share_prefill_checked(decoder, model, batch_size, plain, name)  # (its prefill, n times smaller)
             print(f"compiled in {time.perf_counter() - t0:.0f} s")
         except Exception as e:  # e.g. no C++ compiler on a CPU machine, or an op inductor does not support
             decoder.prefill = decoder.decode = model
@@ -945,12 +982,12 @@ def fast_decoder(model, batch_size: int, max_len: int, plain, compiled=False, th
     if model.device.type == "cuda":
         try:
             decoder.capture()
-            for g in groups:
-                agrees_with_plain_loop(decoder, model, batch_size, plain, g)
+            agrees_with_plain_loop(decoder, model, batch_size, plain)
         except Exception as e:  # e.g. a host sync inside the model's forward (dynamic RoPE)
             torch.cuda.synchronize()
             decoder.graph = None
             fall_back(f"CUDA graph off for {name} ({str(e).splitlines()[0][:200]}); the static cache decodes eagerly")
+        share_prefill_checked(decoder, model, batch_size, plain, name)  # (its copies into the captured cache)
     return decoder
 
 

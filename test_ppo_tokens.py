@@ -1241,13 +1241,32 @@ def test_a_groups_shared_prompt_is_prefilled_once_and_samples_the_plain_loops_to
                                             with_kwargs=True)
     for texts, prefill_rows in ((grouped, 3), (grouped[::4] + grouped[1::4] + grouped[2::4] + grouped[3::4], 12)):
         ids, mask = pt.left_pad(pt.format_prompts(tokenizer, texts, False, 64), tokenizer.pad_token_id, "cpu")
-        batches = [pt.generate(sampler, ids, mask, max_new_tokens=8, temperature=0.9, stop_ids=tokenizer.eos_token_id,
-                               pad_id=tokenizer.pad_token_id, generator=torch.Generator().manual_seed(7))
-                   for sampler in (policy, decoder)]
+        batches = []
+        for sampler in (policy, decoder):
+            forwards.clear()
+            batches.append(pt.generate(sampler, ids, mask, max_new_tokens=8, temperature=0.9, pad_id=tokenizer.pad_token_id,
+                                       stop_ids=tokenizer.eos_token_id, generator=torch.Generator().manual_seed(7)))
+        assert [f for f in forwards if f[1] > 1] == [(prefill_rows, ids.shape[1])]  # the decoder's one prefill
         assert torch.equal(batches[1].response, batches[0].response)
         torch.testing.assert_close(batches[1].behav_logprobs, batches[0].behav_logprobs, rtol=0, atol=1e-12)
-        assert [f for f in forwards if f[1] > 1][-1] == (prefill_rows, ids.shape[1])  # the decoder's prefill
     hook.remove()
+
+
+def test_a_compiled_shared_prefill_does_not_recompile_in_the_sampler_thread(tokenizer):
+    """One row per group (a rank's rows = --samples-per-prompt): the shared prefill's 1-row batch is compiled at start-up
+    under the sampler thread's one intra-op thread, so the thread's batches run the compiled code as they are."""
+    from torch._dynamo.utils import counters
+    policy = tiny_llama(len(tokenizer), seed=2, dtype=torch.float32)
+    decoder = pt.fast_decoder(policy, 4, 20, pt.PlainDecoder, compiled=True, threads=1, group=4)
+    assert decoder.shared is not None and decoder.prefill is not policy
+    ids, mask = pt.left_pad(pt.format_prompts(tokenizer, ["37+45="] * 4, False, 64), tokenizer.pad_token_id, "cpu")
+    graphs = counters["stats"]["unique_graphs"]
+    sample = lambda: pt.generate(decoder, ids, mask, max_new_tokens=5, temperature=1.0, stop_ids=tokenizer.eos_token_id,
+                                 pad_id=tokenizer.pad_token_id, generator=torch.Generator().manual_seed(0))
+    thread = threading.Thread(target=lambda: (torch.set_num_threads(1), sample(), sample()))
+    thread.start()
+    thread.join()
+    assert counters["stats"]["unique_graphs"] == graphs
 
 
 def test_grouped_decode_attention_equals_sdpa_with_repeated_kv():
