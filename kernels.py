@@ -831,14 +831,8 @@ class StaticDecoder:
 
     def start(self, prompt_ids, prompt_mask, position_ids):
         P = prompt_ids.shape[1]
-        self.cache[self.cache_kwarg].reset()  # zeroes in place: the graph's addresses stay valid
         self.mask.zero_()
         self.mask[:, :P] = prompt_mask.bool()
-        query = torch.arange(P, device=self.mask.device)[:, None]
-        key = torch.arange(self.max_len, device=self.mask.device)
-        # (B, 1, P, L): causal over the real prompt tokens; a pad attends to itself (a fully masked row would be NaN,
-        # and 0 * NaN poisons the real rows that give it zero weight)
-        allowed = (self.mask[:, None, None, :] & (key <= query)) | (key == query)
         self.position.copy_(position_ids[:, -1:])
         self.column.fill_(P)
         if self.shared is not None and repeats_in_groups(prompt_ids, prompt_mask, self.group):
@@ -846,8 +840,15 @@ class StaticDecoder:
             # (copies with standard strides, even for one row a group: a compiled prefill guards on strides)
             logits = self.shared.start(*(x[::g].clone(memory_format=torch.contiguous_format)
                                          for x in (prompt_ids, prompt_mask, position_ids)))
+            # every tensor of the cache is overwritten in place: no reset needed, the graph's addresses stay valid
             repeat_cache_rows(self.shared.cache[self.cache_kwarg], self.cache[self.cache_kwarg], g)
             return logits.repeat_interleave(g, 0)
+        self.cache[self.cache_kwarg].reset()  # zeroes in place: the graph's addresses stay valid
+        query = torch.arange(P, device=self.mask.device)[:, None]
+        key = torch.arange(self.max_len, device=self.mask.device)
+        # (B, 1, P, L): causal over the real prompt tokens; a pad attends to itself (a fully masked row would be NaN,
+        # and 0 * NaN poisons the real rows that give it zero weight)
+        allowed = (self.mask[:, None, None, :] & (key <= query)) | (key == query)
         return self.prefill(input_ids=prompt_ids, attention_mask=allowed, position_ids=position_ids, **self.cache,
                             **self.keep).logits[:, -1]
 
@@ -894,15 +895,12 @@ def repeat_cache_rows(source, target, group: int):
 def shared_cache_agrees(decoder, model, batch_size: int, group: int):
     """Raises unless a shared prefill leaves the cache a prefill of every row builds (to rounding): a check that does
     not depend on how peaked the model's next-token distributions are."""
-    ids = torch.randint(0, model.config.vocab_size, (batch_size // group, 3), device=model.device)
-    ids = ids.repeat_interleave(group, 0)
-    mask = torch.ones_like(ids)
-    mask[:group, 0] = 0  # a left pad
+    batch = check_batch(model, batch_size, group)
     shared, states = decoder.shared, []
     try:
         for use_shared in (True, False):
             decoder.shared = shared if use_shared else None
-            decoder.start(ids, mask, (mask.cumsum(-1) - 1).clamp(min=0))
+            decoder.start(*batch)
             layers = decoder.cache[decoder.cache_kwarg].layers
             states.append([t.float() for layer in layers for t in vars(layer).values() if isinstance(t, torch.Tensor)])
     finally:
@@ -925,15 +923,19 @@ def share_prefill_checked(decoder, model, batch_size: int, plain, name: str):
         fall_back(f"shared prefill off for {name} ({str(e).splitlines()[0][:200]}); every row prefills its prompt")
 
 
+def check_batch(model, batch_size: int, group=1):  # (ids, mask, position ids): random 3-token prompts, one left pad
+    ids = torch.randint(0, model.config.vocab_size, (batch_size // group, 3), device=model.device)
+    # (group 1: randint's own tensor; through repeat_interleave, a compiled prefill recompiled for later prompts)
+    ids = ids.repeat_interleave(group, 0) if group > 1 else ids  # rows in groups of `group` alike
+    mask = torch.ones_like(ids)
+    mask[:group, 0] = 0  # a left pad
+    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+
+
 def agrees_with_plain_loop(decoder, model, batch_size: int, plain, group=1):
     """Raises if decoder's logits are not those of plain(model) (ppo_tokens.PlainDecoder) on a left-padded batch
     (group > 1: of rows that repeat in groups of that many)."""
-    ids = torch.randint(0, model.config.vocab_size, (batch_size // group, 3), device=model.device)
-    # (group 1: randint's own tensor; through repeat_interleave, a compiled prefill recompiled for later prompts)
-    ids = ids.repeat_interleave(group, 0) if group > 1 else ids
-    mask = torch.ones_like(ids)
-    mask[:group, 0] = 0  # a left pad
-    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    ids, mask, position_ids = check_batch(model, batch_size, group)
     outputs = [[d.start(ids, mask, position_ids), d.step(ids[:, 1]).clone(), d.step(ids[:, 2])]
                for d in (decoder, plain(model))]
     exact = model.dtype in (torch.float32, torch.float64)

@@ -2248,9 +2248,10 @@ def bench_sampling(cfg: Config, run) -> float:  # part (1) of --bench-rollout; r
     max_len = max(map(len, run.prompt_ids)) + T  # the decoders are sized as train() sizes them
     eager = fast_decoder(sampler, B, max_len, PlainDecoder)
     decoders = {type(eager).__name__: eager}
-    shared = fast_decoder(sampler, B, max_len, PlainDecoder, group=n) if n > 1 else None
-    if getattr(shared, "shared", None) is not None:  # and with each group's prompt prefilled once (unless it fell back)
-        decoders["shared prefill"] = shared
+    if n > 1 and isinstance(eager, StaticDecoder):  # and with each group's prompt prefilled once
+        shared = fast_decoder(sampler, B, max_len, PlainDecoder, group=n)
+        if shared.shared is not None:  # (unless it fell back)
+            decoders["shared prefill"] = shared
     if cfg.compile_sampler and isinstance(eager, StaticDecoder):
         compiled = fast_decoder(sampler, B, max_len, PlainDecoder, compiled=True, group=n)
         if compiled.decode is not sampler:  # (unless it fell back)
