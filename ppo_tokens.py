@@ -36,7 +36,7 @@ Reading order: Config (the flags), then THE ALGORITHM (rollout -> scoring -> adv
 loop, train()), then the PLUMBING it calls.
 """
 
-import argparse, collections, contextlib, copy, dataclasses, functools, gc, hashlib, importlib, importlib.util
+import argparse, collections, contextlib, copy, dataclasses, functools, gc, hashlib, importlib, importlib.util, inspect
 import itertools, json, math, os, queue, random, shutil, signal, sys, threading, time
 from dataclasses import dataclass, field
 
@@ -84,46 +84,51 @@ class Config:
     # what to train
     model: str = arg("", "HF causal-LM directory or hub name; empty = the built-in demo (a tiny Llama learns addition)")
     reward_model: str = arg("", "AutoModelForSequenceClassification (num_labels=1) directory: score = its output")
-    reward: str = arg("", "'module:function' with (prompts, completions) -> list[float]; the demo uses exact match")
+    reward: str = arg("", "'module:function' with (prompts, completions, **facts) -> list[float]; facts it may take: "
+                      "completion_ids, ended (README); the demo's reward is one")
     prompts: str = arg("", "JSONL file, one object per line with a 'prompt' field; empty = the demo's prompts")
     chat_template: bool = arg(True, "wrap each prompt in the tokenizer's chat template when it has one")
     max_prompt_length: int = arg(512, "longest prompt in tokens; longer ones are cut or refused, see --long-prompts")
     # rollout
-    steps: int = arg(0, "PPO iterations: one rollout batch and its update each; 0 = 300 for gae, 800 for grpo / rloo")
-    batch_size: int = arg(0, "rollouts (prompt + one sampled completion) per iteration; 0 = 256 for gae, 64 prompts "
-                          "x --samples-per-prompt for grpo / rloo")
+    steps: int = arg(0, "PPO iterations: one rollout batch and its update each; 0 = 300 with a critic, 800 without")
+    batch_size: int = arg(0, "rollouts (prompt + one sampled completion) per iteration; 0 = 256, or 64 prompts x "
+                          "--samples-per-prompt for the group estimators")
     response_length: int = arg(0, "max new tokens per completion; 0 = 4 for the demo, 128 otherwise")
     temperature: float = arg(1.0, "sampling temperature; scoring divides the logits by the same value")
     top_k: int = arg(0, "sample from the k most likely tokens only (0 = off); log-probs renormalise over that set")
     top_p: float = arg(1.0, "nucleus sampling threshold (1 = off); keeps at most --top-k ids, 64 when --top-k is 0")
     # PPO
-    ppo_epochs: int = arg(0, "passes over each rollout batch; 0 = 2 for gae, 1 for grpo / rloo (GRPO's mu = 1)")
+    ppo_epochs: int = arg(0, "passes over each rollout batch; 0 = 2 with a critic, 1 without (GRPO's mu = 1)")
     minibatches: int = arg(4, "optimizer steps per epoch; --batch-size must divide by it")
     micro_batch_size: int = arg(0, "rows per forward/backward, gradients accumulate; 0 = the whole minibatch")
     micro_batch_tokens: int = arg(0, "instead: micro-batches of at most this many real tokens, packed into one "
                                   "sequence each (padding-free; rows bucketed by length); 0 = padded rows")
-    gradient_checkpointing: bool = arg(False, "recompute each decoder layer's "
-                                       "activations in the backward (less memory)")
-    bf16: bool = arg(False, "train under bf16 autocast over the fp32 master weights; "
-                     "the log-prob and value heads stay fp32")
-    lr: float = arg(0.0, "policy learning rate (AdamW); 0 = the demo's: 5e-4 for gae, 3e-4 for grpo / rloo; use ~1e-6 "
+    gradient_checkpointing: bool = arg(False, "recompute each decoder layer's activations in the backward")
+    bf16: bool = arg(False, "train under bf16 autocast over the fp32 master weights; the log-prob and value heads "
+                     "stay fp32")
+    lr: float = arg(0.0, "policy learning rate (AdamW); 0 = the demo's: 5e-4 with a critic, 3e-4 without; use ~1e-6 "
                     "for real models")
     critic_lr: float = arg(1e-3, "critic learning rate (AdamW); use ~1e-5 for real models")
     lr_decay: bool = arg(True, "decay both learning rates linearly to 0 over --steps")
     weight_decay: float = arg(0.0, "AdamW weight decay")
     adam_eps: float = arg(1e-5, "AdamW epsilon (1e-5 as in the N+ details, not PyTorch's 1e-8)")
     max_grad_norm: float = arg(1.0, "gradient-norm clip, per model")
+    policy_loss: str = arg("ppo", "the policy loss (POLICY_LOSSES): 'ppo' (clipped ratio per token), 'gspo' "
+                           "(one clipped ratio per sequence), 'cispo' (clipped, gradient-stopped weight x log-prob)")
+    pg_mask: str = arg("all", "tokens that get the policy gradient (PG_MASKS): 'all' in the loss, or 'top-entropy' "
+                       "(the batch's 20%% highest-entropy tokens)")
     clip_range: float = arg(0.2, "PPO ratio clip epsilon")
     clip_range_high: float = arg(0.0, "upper ratio clip: 1 + this (DAPO's clip-higher, e.g. 0.28); 0 = --clip-range")
     value_clip_range: float = arg(0.2, "value-prediction clip around the rollout's values")
     entropy_coef: float = arg(0.0, "entropy bonus in the policy loss (0 = only logged)")
     kl_coef: float = arg(0.02, "weight of the per-token KL(policy || reference) penalty (see --kl-in)")
     kl_in: str = arg("", "where the KL penalty goes: 'reward' (-kl_coef * kl_t in each token's reward) or 'loss' (+ "
-                     "kl_coef * mean kl_t in the policy loss, as GRPO); empty = reward for gae, loss for grpo / rloo")
+                     "kl_coef * mean kl_t in the policy loss, as GRPO); empty = the --advantage estimator's choice")
     kl_estimator: str = arg("", "per-token KL estimator: k1 = logp - ref, k2 = (logp - ref)^2 / 2, k3 = "
                             "e^(ref-logp) - (ref-logp) - 1; empty = k1 in the reward, k3 in the loss")
-    advantage: str = arg("gae", "advantages: 'gae' (a critic and GAE), or critic-free from each prompt's group of "
-                         "--samples-per-prompt completions: 'grpo' (normalised score) or 'rloo' (leave-one-out)")
+    advantage: str = arg("gae", "advantage estimator (ADVANTAGES): 'gae' (a critic), 'reinforce++' (return-to-go "
+                         "whitened over the batch), or from each prompt's group of --samples-per-prompt completions: "
+                         "'grpo' (normalised score) or 'rloo' (leave-one-out)")
     samples_per_prompt: int = arg(1, "completions sampled per prompt in a batch (a group); --batch-size counts "
                                   "completions")
     scale_rewards: str = arg("group", "grpo: divide the centred scores by the std of the group, of the batch, or "
@@ -131,23 +136,22 @@ class Config:
     loss_agg: str = arg("token-mean", "a minibatch's loss from its token losses: 'token-mean', "
                         "'seq-mean-token-mean', or 'seq-mean-token-sum-norm' (token sums / --response-length)")
     drop_flat_groups: bool = arg(None, "groups whose completions all scored the same (no signal) leave the loss and "
-                                 "its denominators; default: on for grpo / rloo, off for gae (no groups)")
+                                 "its denominators; default: on for the group estimators")
     mismatch_correction: bool = arg(False, "weight fresh tokens too by min(exp(prox_logp - behav_logp), --is-cap): "
                                     "corrects the sampler's (bf16) drift from the trainer")
-
     gamma: float = arg(1.0, "GAE discount")
     lam: float = arg(0.95, "GAE lambda")
     whiten_scores: bool = arg(False, "whiten the sequence scores over the batch before adding them to the rewards")
-    missing_eos_penalty: float = arg(0.0, "subtracted from the score of completions "
-                                     "that hit --response-length without EOS")
+    missing_eos_penalty: float = arg(0.0, "subtracted from the score of completions that hit --response-length "
+                                     "without EOS")
     # the overlapped loop (sampler thread + bounded queue + packed weight sync + off-policy correction)
-    max_staleness: int = arg(0, "policy versions a rollout batch may lag the trainer: 0 = "
-                             "synchronous PPO, 1 = one-step off-policy")
-    inflight_updates: bool = arg(False, "the sampler takes new weights between decode steps "
-                                 "(mixed-version sequences, PipelineRL)")
+    max_staleness: int = arg(0, "policy versions a rollout batch may lag the trainer: 0 = synchronous PPO, 1 = "
+                             "one-step off-policy")
+    inflight_updates: bool = arg(False, "the sampler takes new weights between decode steps (mixed-version "
+                                 "sequences, PipelineRL)")
     is_cap: float = arg(2.0, "cap on the decoupled-PPO importance weight exp(prox_logp - behav_logp) of stale tokens")
-    is_mode: str = arg("truncate", "capped weights: 'truncate' (set to --is-cap) or "
-                       "'mask' (set to 0: no policy gradient)")
+    is_mode: str = arg("truncate", "capped weights: 'truncate' (set to --is-cap) or 'mask' (set to 0: no policy "
+                       "gradient)")
     max_token_age: int = arg(-1, "drop tokens sampled more than this many versions ago from the loss (-1 = keep all)")
     trace: str = arg("", "write a Chrome trace (chrome://tracing, ui.perfetto.dev) of sampler and trainer to this file")
     bench_overlap: bool = arg(False, "benchmark: run --steps iterations at --max-staleness 0, 1 and 2, print a table")
@@ -156,8 +160,8 @@ class Config:
                              "transformers' DynamicCache, one column more per step")
     compile_sampler: bool = arg(False, "torch.compile the sampler's prefill and decode step (fused kernels, far less "
                                 "Python per token); costs ~10-40 s of compiling at start; needs the static cache")
-    full_logits: bool = arg(False, "compute log-probs from full [tokens, vocab] "
-                            "logits instead of the fused lm_head path")
+    full_logits: bool = arg(False, "compute log-probs from full [tokens, vocab] logits instead of the fused lm_head "
+                            "path")
     fsdp: bool = arg(False, "torchrun: shard actor/critic weights, grads, Adam states (FSDP2), not replicate (DDP)")
     # the built-in demo
     demo_warmup_max_steps: int = arg(1500, "cap on supervised warm-up steps before PPO (0 = no warm-up)")
@@ -170,42 +174,40 @@ class Config:
     eval_size: int = arg(1000, "held-out prompts per evaluation (demo only)")
     sample_every: int = arg(50, "print a few sample completions every this many iterations (0 = never)")
     # checkpoints and failures
-    save_every: int = arg(0, "write a checkpoint every this many iterations and after "
-                          "the last (0 = only on SIGINT/SIGTERM)")
-    keep_checkpoints: int = arg(2, "keep the newest this many checkpoints in "
-                                "--output-dir/checkpoints, delete older ones")
-    resume: str = arg("", "'--resume': continue from the newest whole checkpoint in --output-dir; "
-                      "'--resume PATH': from that checkpoint or run directory (its config is used; flags that "
-                      "change the run are refused)")
-    max_bad_steps: int = arg(3, "stop after this many consecutive updates skipped for "
-                             "non-finite rewards, losses or grads")
-    long_prompts: str = arg("truncate", "prompts over --max-prompt-length: "
-                            "'truncate' (keep the last tokens) or 'refuse'")
+    save_every: int = arg(0, "write a checkpoint every this many iterations and after the last (0 = only on "
+                          "SIGINT/SIGTERM)")
+    keep_checkpoints: int = arg(2, "keep the newest this many checkpoints in --output-dir/checkpoints, delete older "
+                                "ones")
+    resume: str = arg("", "'--resume': continue from the newest whole checkpoint in --output-dir; '--resume PATH': "
+                      "from that checkpoint or run directory (its config is used; flags that change the run are "
+                      "refused)")
+    max_bad_steps: int = arg(3, "stop after this many consecutive updates skipped for non-finite rewards, losses or "
+                             "grads")
+    long_prompts: str = arg("truncate", "prompts over --max-prompt-length: 'truncate' (keep the last tokens) or "
+                            "'refuse'")
     # run
     seed: int = arg(1, "seeds model init, sampling, data order and minibatch shuffling")
     device: str = arg("auto", "'auto' (cuda if available), 'cpu', 'cuda' or 'cuda:N'")
-    dtype: str = arg("float32", "dtype of the frozen models (reference, reward "
-                     "model); policy and critic train in float32")
+    dtype: str = arg("float32", "dtype of the frozen models (reference, reward model); policy and critic train in "
+                     "float32")
     tf32: bool = arg(True, "CUDA: float32 matmuls in TF32 (10-bit mantissa inputs, fp32 sums; several times faster); "
                      "off = IEEE float32")
     output_dir: str = arg("", "where config.json, metrics.jsonl and policy/ go; empty = runs/<date-time>")
     wandb_project: str = arg("", "log to this Weights & Biases project (off when empty; wandb imported only then)")
 
     def __post_init__(self):  # the defaults that depend on other flags (check_config checks the result)
-        # the demo's defaults for critic-free runs (measured: README, "Critic-free"): a group of n completions shares
-        # one prompt, so 64 prompts a batch; one pass each (GRPO's mu = 1); and flat groups, most of a late batch,
-        # leave the loss instead of diluting it (so a lower lr). An iteration without a critic costs about half.
-        critic_free = self.advantage != "gae"
-        self.steps = self.steps or (800 if critic_free else 300)
-        self.batch_size = self.batch_size or (64 * self.samples_per_prompt if critic_free else 256)
-        self.ppo_epochs = self.ppo_epochs or (1 if critic_free else 2)
-        self.lr = self.lr or (3e-4 if critic_free else 5e-4)
+        # the demo's defaults without a critic (measured: README): a group of n completions shares one prompt, so 64
+        # prompts a batch; one pass each (GRPO's mu = 1); flat groups, most of a late batch, leave the loss instead of
+        # diluting it (so a lower lr). An iteration without a critic costs about half.
+        estimator = ADVANTAGES.get(self.advantage, ADVANTAGES["gae"])  # (check_config refuses an unknown name)
+        self.steps = self.steps or (300 if estimator.critic else 800)
+        self.batch_size = self.batch_size or (64 * self.samples_per_prompt if estimator.groups else 256)
+        self.ppo_epochs = self.ppo_epochs or (2 if estimator.critic else 1)
+        self.lr = self.lr or (5e-4 if estimator.critic else 3e-4)
         if self.drop_flat_groups is None:
-            self.drop_flat_groups = critic_free
-        if not self.kl_in:  # critic-free runs put the KL in the loss (GRPO), PPO in the reward
-            self.kl_in = "reward" if self.advantage == "gae" else "loss"
-        if not self.kl_estimator:
-            self.kl_estimator = "k1" if self.kl_in == "reward" else "k3"
+            self.drop_flat_groups = estimator.groups
+        self.kl_in = self.kl_in or estimator.kl_in
+        self.kl_estimator = self.kl_estimator or ("k1" if self.kl_in == "reward" else "k3")
 
 
 Dist = collections.namedtuple("Dist", "rank local_rank world", defaults=(0, 0, 1))  # this process's place in the job
@@ -213,12 +215,11 @@ Dist = collections.namedtuple("Dist", "rank local_rank world", defaults=(0, 0, 1
 
 # ----------------------------------------------------------------------------------------------------------------
 # THE ALGORITHM, in the order it runs: the rollout, scoring, advantages, the losses, the update and the loop.
-# Everything after the marker further down (set-up, models, prompts and rewards, the demo, the overlapped loop's
-# machinery, logging, checkpoints, distributed helpers, benchmarks, the CLI) is plumbing it calls by name.
+# Everything after the PLUMBING marker further down is plumbing it calls by name.
 # One iteration of train(): generate (sample a batch) -> score_frozen (reference log-probs, the reward) ->
-# score_trainer (old log-probs, values, per_token_rewards, gae and whitening or group_advantages,
-# off_policy_correction) -> ppo_update (policy_loss, value_loss) -> WeightSync.publish (the sampler pulls the new
-# weights before its next batch).
+# score_trainer (old log-probs, values, per_token_rewards, an ADVANTAGES estimator, a PG_MASKS mask,
+# off_policy_correction) -> ppo_update (a POLICY_LOSSES loss, value_loss) -> WeightSync.publish (the sampler pulls
+# the new weights before its next batch). A new variant is one function plus one entry in one of the three tables.
 #
 # rollout: the policy samples a completion per prompt with its own KV-cache loop
 
@@ -239,15 +240,17 @@ class Rollout:
     # (B, T) recomputed by the trainer's policy before the update: PPO's "old" policy, which decoupled PPO calls the
     # proximal one; it differs from the behaviour policy (behav_logprobs) when the sampler's weights were older
     old_logprobs: torch.Tensor = None
+    entropy: torch.Tensor = None  # (B, T) the entropy of that policy's distribution at each token
     ref_logprobs: torch.Tensor = None  # (B, T) under the frozen reference
     values: torch.Tensor = None  # (B, T) critic's value of the state before each token
     raw_scores: torch.Tensor = None  # (B,) sequence score of the reward model / function
     scores: torch.Tensor = None  # (B,) the same after the missing-EOS penalty and (--whiten-scores) whitening
     rewards: torch.Tensor = None  # (B, T) per-token reward: -kl_coef * kl_t, plus the score on the last real token
-    advantages: torch.Tensor = None  # (B, T) GAE advantages, whitened over real tokens (or group_advantages)
-    returns: torch.Tensor = None  # (B, T) advantages + values (before whitening): the critic's targets (gae only)
+    advantages: torch.Tensor = None  # (B, T) from the --advantage estimator (ADVANTAGES)
+    returns: torch.Tensor = None  # (B, T) the critic's targets (estimators with a critic only)
     is_weight: torch.Tensor = None  # (B, T) decoupled-PPO importance weight of each token (exactly 1 when fresh)
     loss_mask: torch.Tensor = None  # (B, T) response_mask minus the tokens too old and the flat groups dropped
+    pg_mask: torch.Tensor = None  # (B, T) bool: the loss tokens that get the policy gradient (--pg-mask: PG_MASKS)
     loss_rows: torch.Tensor = None  # (B, T) bool: response_mask in the rows with a loss token (the logged statistics')
     correction: dict = None  # staleness / importance-weight statistics of this batch, for the log
 
@@ -461,7 +464,7 @@ def score_frozen(batch: Rollout, reference, reward_fn, cfg: Config):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# advantages: the KL in the reward, GAE, whitening, group advantages (GRPO, RLOO), the decoupled-PPO weights
+# advantages: the KL in the reward, GAE, whitening, the estimators, the token masks, the decoupled-PPO weights
 
 
 def masked_mean(x, mask, denom=None):  # mean of x over mask == 1 (or sum / denom); NaN-safe outside the mask
@@ -529,27 +532,83 @@ def gae(rewards, values, response_mask, gamma: float, lam: float):
     return advantages, torch.where(mask, advantages + values[:, :T], 0.0)
 
 
-def group_advantages(returns, n: int, estimator: str, scale_rewards="group", eps=1e-6):
-    """Critic-free advantages, one per completion, from the n completions of its prompt (rows g*n .. g*n + n-1):
-        grpo (Shao et al. 2024, DeepSeekMath):  A_i = (s_i - mean_group s) / (std_group s + eps), std unbiased as in
-            TRL and verl; --scale-rewards batch: the std of the whole batch instead; none: no division (Dr. GRPO,
-            Liu et al. 2025: the std favours prompts that are almost always solved or failed);
-        rloo (Ahmadian et al. 2024):  A_i = s_i - mean_{j != i} s_j = n / (n - 1) * (s_i - mean_group s).
-    returns (B,): each completion's score minus the KL in its rewards. Returns (B,)."""
-    groups = returns.view(-1, n)  # (B / n, n)
-    centred = groups - groups.mean(1, keepdim=True)
-    if estimator == "rloo":
-        return (centred * (n / (n - 1))).reshape(-1)
-    if scale_rewards == "group":
-        centred = centred / (groups.std(1, keepdim=True) + eps)
-    elif scale_rewards == "batch":  # over every rank's completions
-        centred = centred / (masked_moments(returns, torch.ones_like(returns))[1].sqrt() + eps)
-    return centred.reshape(-1)
-
-
 def flat_groups(scores, n: int):  # (B,) bool: the row's group of n completions all got the same score
     groups = scores.view(-1, n)
     return (groups == groups[:, :1]).all(1).repeat_interleave(n)
+
+
+# The advantage estimators. Each is fn(batch, cfg) -> (advantages (B, T), the critic's targets (B, T) or None), from
+# batch.rewards (the score on the last real token, with --kl-in reward minus kl_coef * kl_t on every token) and, with
+# a critic, batch.values. Each declares what it needs: a critic (setup builds one, the update trains it), groups of
+# --samples-per-prompt completions of a prompt (rows g*n .. g*n + n-1), and where the KL goes by default.
+
+
+def gae_advantages(batch: Rollout, cfg: Config):  # PPO: GAE over the critic's values, whitened over the real tokens
+    advantages, returns = gae(batch.rewards, batch.values, batch.response_mask, cfg.gamma, cfg.lam)
+    return masked_whiten(advantages, batch.response_mask), returns
+
+
+def reinforce_pp_advantages(batch: Rollout, cfg: Config):
+    """REINFORCE++ (Hu 2025): each token's return-to-go G_t = sum_{k >= t} gamma^(k-t) r_k, the KL in the rewards,
+    whitened over every real token of the batch: the batch is the baseline, so no critic and no groups (one
+    completion per prompt will do). G is GAE with V = 0 and lambda = 1."""
+    returns, _ = gae(batch.rewards, torch.zeros_like(batch.rewards), batch.response_mask, cfg.gamma, 1.0)
+    return masked_whiten(returns, batch.response_mask), None
+
+
+def group_centred(batch: Rollout, cfg: Config):  # (B / n, n) each completion's return minus its group's mean
+    groups = batch.rewards.sum(-1).view(-1, cfg.samples_per_prompt)  # the score minus the KL in the rewards
+    return groups, groups - groups.mean(1, keepdim=True)
+
+
+def each_token(advantage, batch: Rollout):  # (B / n, n) -> (B, T): every token of a completion gets its advantage
+    return torch.where(batch.response_mask.bool(), advantage.reshape(-1)[:, None], 0.0)
+
+
+def grpo_advantages(batch: Rollout, cfg: Config, eps=1e-6):
+    """GRPO (Shao et al. 2024, DeepSeekMath): A_i = (s_i - mean_group s) / (std_group s + eps), the std unbiased as in
+    TRL and verl; --scale-rewards batch: the std of the whole batch (every rank's) instead; none: no division
+    (Dr. GRPO, Liu et al. 2025: the std favours prompts that are almost always solved or failed)."""
+    groups, centred = group_centred(batch, cfg)
+    if cfg.scale_rewards == "group":
+        centred = centred / (groups.std(1, keepdim=True) + eps)
+    elif cfg.scale_rewards == "batch":
+        returns = groups.reshape(-1)
+        centred = centred / (masked_moments(returns, torch.ones_like(returns))[1].sqrt() + eps)
+    return each_token(centred, batch), None
+
+
+def rloo_advantages(batch: Rollout, cfg: Config):
+    """RLOO (Ahmadian et al. 2024): A_i = s_i - mean_{j != i} s_j = n / (n - 1) * (s_i - mean_group s)."""
+    n = cfg.samples_per_prompt
+    return each_token(group_centred(batch, cfg)[1] * (n / (n - 1)), batch), None
+
+
+Estimator = collections.namedtuple("Estimator", "fn critic groups kl_in")
+ADVANTAGES = {"gae": Estimator(gae_advantages, critic=True, groups=False, kl_in="reward"),
+              "reinforce++": Estimator(reinforce_pp_advantages, critic=False, groups=False, kl_in="reward"),
+              "grpo": Estimator(grpo_advantages, critic=False, groups=True, kl_in="loss"),
+              "rloo": Estimator(rloo_advantages, critic=False, groups=True, kl_in="loss")}
+
+
+# The policy-gradient token masks: fn(batch, cfg) -> (B, T) bool, the loss tokens whose policy loss counts (the KL,
+# entropy and value terms, and every denominator, keep the whole loss mask).
+
+
+def all_loss_tokens(batch: Rollout, cfg: Config):
+    return batch.loss_mask.bool()
+
+
+def top_entropy_tokens(batch: Rollout, cfg: Config, fraction=0.2):
+    """Only the 20% highest-entropy loss tokens (the "forking" tokens) get the policy gradient (Wang et al. 2025,
+    "Beyond the 80/20 rule"), ranked by the proximal policy's entropy over this rank's batch."""
+    mask = batch.loss_mask.bool()
+    if not mask.any():
+        return mask
+    return mask & (batch.entropy >= torch.quantile(batch.entropy[mask].float(), 1 - fraction))
+
+
+PG_MASKS = {"all": all_loss_tokens, "top-entropy": top_entropy_tokens}
 
 
 @torch.no_grad()
@@ -557,9 +616,8 @@ def score_trainer(batch: Rollout, policy, critic, cfg: Config, row_order=None, v
     """The trainer side: proximal ("old") log-probs and values need the current weights, so the trainer computes them
     right before its update, in the same micro-batch rows as the first training epoch (update_minibatches of
     row_order), so the first epoch's ratio is bit-exactly 1 (see ppo_update). Then the per-token rewards, the
-    advantages (GAE and whitening, or a critic-free group estimate: group_advantages) and the staleness correction
-    (off_policy_correction).
-    version: the trainer's policy version (None = every token is fresh: plain PPO). critic: None for grpo / rloo.
+    advantages (ADVANTAGES), the policy-gradient mask (PG_MASKS) and the staleness correction.
+    version: the trainer's policy version (None = every token is fresh: plain PPO). critic: None without one.
     Returns the per-token KL."""
     n = cfg.samples_per_prompt
     flat = flat_groups(batch.scores, n) if n > 1 else torch.zeros_like(batch.ended)  # (B,) groups without signal
@@ -568,12 +626,13 @@ def score_trainer(batch: Rollout, policy, critic, cfg: Config, row_order=None, v
     row_order = torch.arange(len(batch.response)) if row_order is None else row_order
     first_epoch = update_minibatches(batch, cfg, [row_order])
     batch.old_logprobs = batch.behav_logprobs.clone()  # (rows skipped keep the sampler's values; nothing reads them)
+    batch.entropy = torch.zeros_like(batch.behav_logprobs)
     batch.values = torch.zeros_like(batch.behav_logprobs, dtype=torch.float32)  # the critic's output is fp32
     for rows in itertools.chain(*micro_batch_rows(batch, first_epoch, cfg, ranks_agree=True)):
         mb = batch.rows(rows)
         inputs = model_inputs(mb, cfg)  # packed once for both models
         with autocast(cfg, batch.response.device):
-            batch.old_logprobs[rows] = rollout_logprobs(policy, mb, cfg, inputs)[0]
+            batch.old_logprobs[rows], batch.entropy[rows] = rollout_logprobs(policy, mb, cfg, inputs)
             if critic is not None:
                 batch.values[rows] = critic_values(critic, mb, inputs)
     mask = batch.response_mask.bool()
@@ -582,13 +641,8 @@ def score_trainer(batch: Rollout, policy, critic, cfg: Config, row_order=None, v
     kl = torch.where(mask, kl_estimate(batch.old_logprobs, batch.ref_logprobs, cfg.kl_estimator), 0.0)  # (B, T)
     reward_kl_coef = cfg.kl_coef if cfg.kl_in == "reward" else 0.0  # (--kl-in loss: ppo_update adds it)
     batch.rewards = per_token_rewards(batch.scores, kl, batch.response_mask, reward_kl_coef)
-    if cfg.advantage == "gae":
-        advantages, batch.returns = gae(batch.rewards, batch.values, batch.response_mask, cfg.gamma, cfg.lam)
-        batch.advantages = masked_whiten(advantages, batch.response_mask)
-    else:  # every token of a completion gets its completion's advantage; no critic, no returns
-        returns = batch.rewards.sum(-1)  # (B,) the score minus the KL in the rewards
-        advantage = group_advantages(returns, n, cfg.advantage, cfg.scale_rewards)
-        batch.advantages = torch.where(mask, advantage[:, None], 0.0)
+    batch.advantages, batch.returns = ADVANTAGES[cfg.advantage].fn(batch, cfg)
+    batch.pg_mask = PG_MASKS[cfg.pg_mask](batch, cfg)
     off_policy_correction(batch, cfg, version)
     if n > 1:  # groups without signal: counted (and with --drop-flat-groups out of the loss: loss_tokens)
         batch.correction["zero_std_groups"] = int(flat.sum()) // n
@@ -639,46 +693,80 @@ def off_policy_correction(batch: Rollout, cfg: Config, version=None):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# PPO loss
+# the losses. A policy loss is fn(logprobs, mb, cfg) -> (per-token loss (b, T), per-token statistics): logprobs are
+# the current policy's (with gradient), mb the micro-batch (its old_logprobs, advantages, loss_mask, ...).
+# policy_objective applies what every loss shares: the staleness weight, the policy-gradient mask, the aggregation.
 
 
-def policy_loss(logprobs, old_logprobs, advantages, mask, clip_range, n_tokens=None, is_weight=None,
-                clip_range_high=0.0, token_weight=None, loss_denom=None):
-    """Clipped surrogate (Schulman et al., 2017), by default averaged over real tokens (token-level mean: every token
-    of the minibatch weighs the same, however long its sequence):
-        ratio_t = exp(logp_t - old_logp_t),
-        L = mean_t max(-A_t * ratio_t, -A_t * clip(ratio_t, 1 - eps, 1 + eps_high)),
-    eps_high = clip_range_high, or eps when 0 (DAPO's clip-higher, Yu et al. 2025, lets unlikely tokens grow more).
-    n_tokens: the denominator, the real tokens of the whole minibatch when this is one micro-batch of it.
-    is_weight: decoupled PPO (old = the proximal policy): each token's term times its importance weight
-    pi_prox / pi_behav; None or all ones (fresh tokens) is standard PPO, to the bit.
-    token_weight, loss_denom: another --loss-agg (loss_denominators); the statistics stay token means.
-    Returns (loss, stats) with clip fraction and approx KL(old || new) = mean (ratio - 1) - log ratio (k3)."""
-    log_ratio = logprobs - old_logprobs
-    ratio = torch.exp(log_ratio)
+def clipped_surrogate(ratio, advantages, cfg: Config):
+    """PPO's clipped surrogate (Schulman et al., 2017) per token: L_t = max(-A_t r_t, -A_t clip(r_t, 1 - eps,
+    1 + eps_high)), eps_high = --clip-range-high or eps (DAPO's clip-higher, Yu et al. 2025, lets unlikely tokens
+    grow more)."""
     unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + (clip_range_high or clip_range))
-    per_token = torch.maximum(unclipped, clipped)
-    loss = aggregate(per_token if is_weight is None else per_token * is_weight, mask,
-                     n_tokens if loss_denom is None else loss_denom, token_weight)
+    clipped = -advantages * torch.clamp(ratio, 1.0 - cfg.clip_range, 1.0 + (cfg.clip_range_high or cfg.clip_range))
+    return torch.maximum(unclipped, clipped), {"clipfrac": clipped > unclipped}
+
+
+def ppo_loss(logprobs, mb: Rollout, cfg: Config):  # the ratio of each token: r_t = exp(logp_t - old_logp_t)
+    return clipped_surrogate(torch.exp(logprobs - mb.old_logprobs), mb.advantages, cfg)
+
+
+def gspo_loss(logprobs, mb: Rollout, cfg: Config):
+    """GSPO (Zheng et al. 2025): one ratio per sequence, the geometric mean of its loss tokens' ratios,
+    s = exp(mean_t (logp_t - old_logp_t)), clipped as PPO's (GSPO's clip ranges are small, e.g. 3e-4 and 4e-4). In
+    its token form s_t = sg(s) * pi_t / sg(pi_t): the value is s, each token's gradient s * grad logp_t."""
+    mask = mb.loss_mask.bool()
+    log_ratio = torch.where(mask, logprobs - mb.old_logprobs, 0.0)
+    sequence = log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)  # (b, 1)
+    return clipped_surrogate(torch.exp(sequence.detach() + logprobs - logprobs.detach()), mb.advantages, cfg)
+
+
+def cispo_loss(logprobs, mb: Rollout, cfg: Config):
+    """CISPO (MiniMax-M1, 2025): the importance weight, clipped and gradient-stopped, times the token's log-prob,
+    L_t = -sg(clip(r_t, 1 - eps, 1 + eps_high)) * A_t * logp_t: unlike PPO's clip, no token loses its gradient."""
+    ratio = torch.exp(logprobs - mb.old_logprobs)
+    weight = torch.clamp(ratio, 1.0 - cfg.clip_range, 1.0 + (cfg.clip_range_high or cfg.clip_range)).detach()
+    return -weight * mb.advantages * logprobs, {"clipfrac": weight != ratio}
+
+
+POLICY_LOSSES = {"ppo": ppo_loss, "gspo": gspo_loss, "cispo": cispo_loss}
+
+# A micro-batch's part of its minibatch's loss (loss_denominators): the minibatch's real tokens over all ranks (the
+# logged token means' denominator), its --loss-agg denominator, and each row's token weight (b, 1) or None. The
+# defaults: token means over the micro-batch itself.
+Share = collections.namedtuple("Share", "tokens denom token_weight", defaults=(None, None, None))
+
+
+def aggregate(x, mask, share: Share = Share()):  # the sum of x over mask, weighted and divided as --loss-agg says
+    return masked_mean(x if share.token_weight is None else x * share.token_weight, mask, share.denom)
+
+
+def policy_objective(logprobs, mb: Rollout, cfg: Config, share: Share = Share()):
+    """The --policy-loss's per-token loss times the decoupled-PPO importance weight (off_policy_correction; exactly 1
+    for fresh tokens, so plain PPO to the bit), over the policy-gradient mask, aggregated. Returns (loss, statistics:
+    the loss's, token means, and approx KL(old || new) = mean (r - 1) - log r (k3) and max |r - 1|)."""
+    token_loss, token_stats = POLICY_LOSSES[cfg.policy_loss](logprobs, mb, cfg)
+    if mb.is_weight is not None:
+        token_loss = token_loss * mb.is_weight
+    loss = aggregate(token_loss, mb.loss_mask if mb.pg_mask is None else mb.pg_mask, share)
     with torch.no_grad():
-        stats = {"clipfrac": masked_mean((clipped > unclipped).to(ratio.dtype), mask, n_tokens),
-                 "approx_kl": masked_mean(torch.expm1(log_ratio) - log_ratio, mask, n_tokens),
-                 "ratio_max_dev": torch.where(mask.bool(), (ratio - 1).abs(), 0.0).max()}
+        log_ratio = logprobs - mb.old_logprobs
+        stats = {k: masked_mean(v.to(logprobs.dtype), mb.loss_mask, share.tokens) for k, v in token_stats.items()}
+        stats["approx_kl"] = masked_mean(torch.expm1(log_ratio) - log_ratio, mb.loss_mask, share.tokens)
+        stats["ratio_max_dev"] = torch.where(mb.loss_mask.bool(), (torch.exp(log_ratio) - 1).abs(), 0.0).max()
     return loss, stats
 
 
-def value_loss(values, old_values, returns, mask, clip_range, n_tokens=None, token_weight=None, loss_denom=None):
+def value_loss(values, old_values, returns, mask, clip_range, share: Share = Share()):
     """Clipped value loss (as in OpenAI's baselines / the N+ details): the prediction may move at most clip_range
     from the rollout's value, and the worse of the clipped and unclipped squared errors is taken:
-        L = 0.5 * mean_t max((V_t - R_t)^2, (old_V_t + clip(V_t - old_V_t, -c, c) - R_t)^2),
-    the mean as policy_loss's (token_weight, loss_denom: --loss-agg)."""
+        L = 0.5 * mean_t max((V_t - R_t)^2, (old_V_t + clip(V_t - old_V_t, -c, c) - R_t)^2), the mean as --loss-agg."""
     clipped = old_values + torch.clamp(values - old_values, -clip_range, clip_range)
     squared = torch.maximum((values - returns) ** 2, (clipped - returns) ** 2)
-    loss = 0.5 * aggregate(squared, mask, n_tokens if loss_denom is None else loss_denom, token_weight)
+    loss = 0.5 * aggregate(squared, mask, share)
     with torch.no_grad():
         clipped_worse = ((values - returns) ** 2 < (clipped - returns) ** 2).to(values.dtype)
-        stats = {"vf_clipfrac": masked_mean(clipped_worse, mask, n_tokens)}
+        stats = {"vf_clipfrac": masked_mean(clipped_worse, mask, share.tokens)}
     return loss, stats
 
 
@@ -708,8 +796,7 @@ def ppo_update(policy, critic, policy_opt, critic_opt, batch: Rollout, cfg: Conf
     """ppo_epochs x minibatches optimizer steps on one batch; row_orders[e] is epoch e's row order (epoch 0's is the
     one scoring used). Micro-batch losses are divided by their minibatch's denominator over all ranks
     (loss_denominators), so accumulation gives the one big batch's --loss-agg; gradients sync on the last micro-step.
-    critic and critic_opt are None for grpo / rloo (no value loss). With --kl-in loss the policy's objective also has
-    kl_coef * the aggregated per-token KL to the reference. A NaN/inf loss or grad norm skips that step and the rest
+    critic and critic_opt are None without a critic. A NaN/inf loss or grad norm skips that step and the rest
     (earlier steps stand): returns {"nonfinite": where}."""
     sums = {}  # each logged statistic, summed over the optimizer steps
     n_steps = 0
@@ -723,7 +810,8 @@ def ppo_update(policy, critic, policy_opt, critic_opt, batch: Rollout, cfg: Conf
         for j, rows in enumerate(micro_rows):
             with gradient_sync(models, enabled=j == len(micro_rows) - 1):
                 token_weight = None if row_weight is None else row_weight[rows][:, None]  # (b, 1)
-                step_stats = micro_step(policy, critic, batch.rows(rows), cfg, tokens[i], denominators[i], token_weight)
+                share = Share(tokens[i], denominators[i], token_weight)
+                step_stats = micro_step(policy, critic, batch.rows(rows), cfg, share)
             ratio_max_dev = step_stats.pop("ratio_max_dev")
             if n_steps == 0:  # the first minibatch: the weights are the ones scoring used, so this must be 0
                 first_ratio_max_dev = torch.maximum(first_ratio_max_dev, ratio_max_dev)
@@ -767,39 +855,37 @@ def update_minibatches(batch: Rollout, cfg: Config, row_orders):
 def skip_loss_free_rows(cfg: Config) -> bool:
     """Whether a row without a loss token (a dropped flat group, tokens past --max-token-age) skips every forward after
     the reward: the reference's, the scoring pass and the update's. It adds nothing to the loss or its gradient, and
-    with group advantages and the KL in the loss nothing else reads those forwards (GAE needs every row's values; a
-    KL in the reward enters the group baselines). Not under torchrun with micro-batches: the ranks' micro-batch
-    counts must agree (FSDP2 gathers the weights in each forward, a collective)."""
+    without a critic and with the KL in the loss nothing else reads those forwards (GAE needs every row's values; a
+    KL in the reward enters the baselines). Not under torchrun with micro-batches: the ranks' micro-batch counts must
+    agree (FSDP2 gathers the weights in each forward, a collective)."""
     lockstep = torch.distributed.is_initialized() and (cfg.micro_batch_size or cfg.micro_batch_tokens)
-    return cfg.advantage != "gae" and cfg.kl_in == "loss" and not lockstep
+    return not ADVANTAGES[cfg.advantage].critic and cfg.kl_in == "loss" and not lockstep
 
 
-def micro_step(policy, critic, mb: Rollout, cfg: Config, n_tokens, loss_denom, token_weight=None) -> dict:
-    """One micro-batch's forward and backward: the policy's clipped loss (minus the entropy bonus; plus, with --kl-in
-    loss, kl_coef * the KL to the reference, its gradient through the policy's log-probs) and the critic's clipped
-    value loss, each as its share of the minibatch's loss. Returns the micro-batch's statistics (tensors)."""
-    loss_share = functools.partial(aggregate, mask=mb.loss_mask, denom=loss_denom, token_weight=token_weight)
+def micro_step(policy, critic, mb: Rollout, cfg: Config, share: Share) -> dict:
+    """One micro-batch's forward and backward: the policy's objective (policy_objective, minus the entropy bonus;
+    plus, with --kl-in loss, kl_coef * the KL to the reference, its gradient through the policy's log-probs) and the
+    critic's clipped value loss, each as its share of the minibatch's loss. Returns the statistics (tensors)."""
     inputs = model_inputs(mb, cfg)  # packed once for both models
     with autocast(cfg, mb.response.device):
         logprobs, entropy = rollout_logprobs(policy, mb, cfg, inputs)
-    pg_loss, pg_stats = policy_loss(logprobs, mb.old_logprobs, mb.advantages, mb.loss_mask, cfg.clip_range,
-                                    n_tokens, mb.is_weight, cfg.clip_range_high, token_weight, loss_denom)
-    entropy_mean = masked_mean(entropy, mb.loss_mask, n_tokens)  # (logged: a token mean)
-    objective = pg_loss - cfg.entropy_coef * loss_share(entropy)
-    kl_stats, vf_loss_stats, vf_stats = {}, {}, {}
+    pg_loss, pg_stats = policy_objective(logprobs, mb, cfg, share)
+    stats = {"pg_loss": pg_loss, "entropy": masked_mean(entropy, mb.loss_mask, share.tokens), **pg_stats}
+    objective = pg_loss - cfg.entropy_coef * aggregate(entropy, mb.loss_mask, share)
     if cfg.kl_in == "loss":  # GRPO's KL term
         # clamped at 10 as verl's low_var_kl: k3's exp overflows where the policy left the reference far behind
-        kl_stats["kl_loss"] = loss_share(kl_estimate(logprobs, mb.ref_logprobs, cfg.kl_estimator).clamp(max=10))
-        objective = objective + cfg.kl_coef * kl_stats["kl_loss"]
+        stats["kl_loss"] = aggregate(kl_estimate(logprobs, mb.ref_logprobs, cfg.kl_estimator).clamp(max=10),
+                                     mb.loss_mask, share)
+        objective = objective + cfg.kl_coef * stats["kl_loss"]
     objective.backward()
     if critic is not None:
         with autocast(cfg, mb.response.device):
             values = critic_values(critic, mb, inputs)
-        vf_loss, vf_stats = value_loss(values, mb.values, mb.returns, mb.loss_mask, cfg.value_clip_range, n_tokens,
-                                       token_weight, loss_denom)
-        vf_loss.backward()
-        vf_loss_stats["vf_loss"] = vf_loss
-    return {"pg_loss": pg_loss, **vf_loss_stats, "entropy": entropy_mean, **pg_stats, **vf_stats, **kl_stats}
+        stats["vf_loss"], vf_stats = value_loss(values, mb.values, mb.returns, mb.loss_mask, cfg.value_clip_range,
+                                                share)
+        stats["vf_loss"].backward()
+        stats.update(vf_stats)
+    return stats
 
 
 def nonfinite_step(losses, norms):
@@ -832,10 +918,6 @@ def loss_denominators(batch: Rollout, minibatches, cfg: Config):
     if cfg.loss_agg == "seq-mean-token-mean":
         return tokens, sequences, 1.0 / lengths.clamp(min=1), empty
     return tokens, sequences * cfg.response_length, None, empty
-
-
-def aggregate(x, mask, denom, token_weight=None):  # a micro-batch's share of a minibatch's loss (loss_denominators)
-    return masked_mean(x if token_weight is None else x * token_weight, mask, denom)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -937,8 +1019,8 @@ def setup(cfg: Config, ctx: Dist = Dist()):
         rows = cfg.micro_batch_size or cfg.batch_size // cfg.minibatches // ctx.world
         run["reward_fn"] = functools.partial(reward_model_scores, reward_model, rm_tokenizer, tokenizer,
                                              use_chat_template=cfg.chat_template, micro_batch_size=rows)
-    else:  # the demo's exact match also needs the EOS: digits, then stop
-        run["reward_fn"] = functools.partial(rule_scores, rule, not cfg.reward)
+    else:
+        run["reward_fn"] = functools.partial(rule_scores, rule)
     if not cfg.prompts:
         if ctx.rank > 0:  # rank 0 warms up and fills the cache first; the other ranks then load it
             torch.distributed.barrier()
@@ -952,9 +1034,9 @@ def setup(cfg: Config, ctx: Dist = Dist()):
         use_packed_attention(backbone_of(policy), cfg.bf16)  # before the copies: the reference and sampler inherit it
     reference = cast_parameters(copy.deepcopy(policy), dtype).requires_grad_(False)
     run["reference"] = Actor(reference, cfg.temperature, cfg.full_logits, vocab)
-    run["critic"] = None  # grpo / rloo: critic-free
+    run["critic"] = None
     critic_from = f"no critic (--advantage {cfg.advantage})"
-    if cfg.advantage == "gae":
+    if ADVANTAGES[cfg.advantage].critic:
         run["critic"] = build_critic(policy, reward_model, same_tokenizer)
         critic_from = f"critic from {'the reward model' if same_tokenizer else 'the policy, zero-initialised head'}"
         if cfg.micro_batch_tokens:  # (a critic from the reward model: its own attention)
@@ -1187,10 +1269,10 @@ def addition_prompt(a: int, b: int) -> str:
     return f"{a}+{b}="
 
 
-def addition_reward(prompts, completions):
-    """The demo's verifiable reward: 1 for the exact sum, else 0 (setup() also requires the EOS)."""
+def addition_reward(prompts, completions, ended, **facts):
+    """The demo's verifiable reward, through the --reward interface: 1 for the exact sum followed by EOS, else 0."""
     pairs = (prompt.rstrip("=").split("+") for prompt in prompts)
-    return [1.0 if c.strip() == str(int(a) + int(b)) else 0.0 for (a, b), c in zip(pairs, completions)]
+    return [float(e and c.strip() == str(int(a) + int(b))) for (a, b), c, e in zip(pairs, completions, ended)]
 
 
 def load_prompts(path: str):
@@ -1299,10 +1381,18 @@ def chat_text(tokenizer, chat, ended: bool) -> str:  # a finished assistant turn
         return tokenizer.apply_chat_template(chat, tokenize=False)
 
 
-def rule_scores(rule, needs_eos: bool, batch: Rollout):
-    """(B,) a reward function's scores of a batch, checked: one number per completion, or a clear error."""
+def rule_scores(rule, batch: Rollout):
+    """(B,) a reward function's scores of a batch, checked: one number per completion, or a clear error. The function
+    gets the prompts and completions (strings) and, where it names them (or takes **kwargs), the token-level facts:
+    completion_ids (each completion's token ids, the stop token excluded) and ended (it emitted a stop token)."""
+    lengths = (batch.response_mask.sum(-1) - batch.ended.long()).tolist()  # real tokens minus the stop token
+    facts = {"completion_ids": [r[:n] for r, n in zip(batch.response.tolist(), lengths)],
+             "ended": batch.ended.tolist()}
+    parameters = inspect.signature(rule).parameters
+    if not any(p.kind == p.VAR_KEYWORD for p in parameters.values()):
+        facts = {k: v for k, v in facts.items() if k in parameters}
     try:
-        scores = rule(batch.prompts, batch.completions)
+        scores = rule(batch.prompts, batch.completions, **facts)
     except Exception as e:
         raise SystemExit(f"the reward function raised {type(e).__name__}: {e}")
     try:
@@ -1311,7 +1401,7 @@ def rule_scores(rule, needs_eos: bool, batch: Rollout):
         raise SystemExit(f"the reward function must return a list of numbers ({e})")
     if len(scores) != len(batch.completions):
         raise SystemExit(f"the reward function returned {len(scores)} scores for {len(batch.completions)} completions")
-    return scores * batch.ended if needs_eos else scores  # (the demo's rule: a sum without its EOS scores 0)
+    return scores
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1339,8 +1429,8 @@ def evaluate(policy, tokenizer, prompt_ids, prompt_texts, cfg: Config, seed: int
         ids, mask = left_pad(prompt_ids[start:start + chunk], tokenizer.pad_token_id, device)
         args = sampling_args(cfg, tokenizer.pad_token_id, tokenizer.eos_token_id)
         batch = generate(policy, ids, mask, **args, generator=generator)
-        scores = addition_reward(prompt_texts[start:start + chunk], decode_completions(tokenizer, batch))
-        correct += sum(s * e for s, e in zip(scores, batch.ended.tolist()))
+        correct += sum(addition_reward(prompt_texts[start:start + chunk], decode_completions(tokenizer, batch),
+                                       batch.ended.tolist()))
     return correct / len(prompt_ids)
 
 
@@ -2342,7 +2432,8 @@ RUN_ONLY = ("resume", "output_dir", "save_every", "keep_checkpoints", "max_bad_s
             "sample_every", "fsdp", "compile_sampler")
 # the flags that take one of a few words, and the numeric flags' lower bounds (0: the flag can turn a feature off)
 CHOICES = {"is_mode": ("truncate", "mask"), "kl_estimator": ("k1", "k2", "k3"), "kl_in": ("reward", "loss"),
-           "advantage": ("gae", "grpo", "rloo"), "scale_rewards": ("group", "batch", "none"),
+           "advantage": tuple(ADVANTAGES), "policy_loss": tuple(POLICY_LOSSES), "pg_mask": tuple(PG_MASKS),
+           "scale_rewards": ("group", "batch", "none"),
            "loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
            "dtype": ("float32", "bfloat16"), "long_prompts": ("truncate", "refuse")}
 LOWER_BOUNDS = {"steps": 1, "batch_size": 1, "response_length": 1, "ppo_epochs": 1, "minibatches": 1, "eval_every": 1,
@@ -2394,7 +2485,7 @@ def check_config(cfg: Config):
                for n, low in LOWER_BOUNDS.items()]
     checks += [(cfg.temperature > 0,
                 f"--temperature must be > 0 (got {cfg.temperature}); for near-greedy use e.g. 0.05"),
-               (cfg.advantage == "gae" or cfg.samples_per_prompt >= 2,
+               (not ADVANTAGES.get(cfg.advantage, ADVANTAGES["gae"]).groups or cfg.samples_per_prompt >= 2,
                 f"--advantage {cfg.advantage} compares the completions of a prompt: --samples-per-prompt must be >= 2 "
                 f"(got {cfg.samples_per_prompt}); e.g. 8"),
                (cfg.samples_per_prompt >= 2 or not cfg.drop_flat_groups,

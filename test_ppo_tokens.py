@@ -471,13 +471,19 @@ def test_importance_weights_are_exactly_one_for_fresh_tokens_and_version_rejecti
     assert capped.any() and (batch.is_weight[capped] == 0).all()
 
 
+def group_estimate(scores, n, estimator, scale_rewards="group"):  # (B,) an estimator's advantage of each completion
+    batch = SimpleNamespace(rewards=scores[:, None], response_mask=torch.ones(len(scores), 1))  # one token each
+    cfg = pt.Config(advantage=estimator, samples_per_prompt=n, scale_rewards=scale_rewards)
+    return pt.ADVANTAGES[estimator].fn(batch, cfg)[0][:, 0]
+
+
 def test_group_advantages_grpo_rloo_and_dr_grpo_against_float64_loops():
     torch.manual_seed(0)
     n, groups = 4, 3
     s = torch.randn(groups * n, dtype=torch.float64)
     s[n:2 * n] = 0.5  # a flat group: every completion scored the same
-    grpo, rloo = pt.group_advantages(s, n, "grpo"), pt.group_advantages(s, n, "rloo")
-    dr_grpo, batch_scaled = pt.group_advantages(s, n, "grpo", "none"), pt.group_advantages(s, n, "grpo", "batch")
+    grpo, rloo = group_estimate(s, n, "grpo"), group_estimate(s, n, "rloo")
+    dr_grpo, batch_scaled = group_estimate(s, n, "grpo", "none"), group_estimate(s, n, "grpo", "batch")
     batch_std = statistics.stdev(s.tolist())
     for g in range(groups):
         x = s[g * n:(g + 1) * n].tolist()
@@ -500,7 +506,7 @@ def test_critic_free_scoring_gives_each_token_its_completions_advantage_and_drop
     score(batch, policy, reference, None, lambda b: scores, cfg)
     mask = batch.response_mask.bool()
     torch.testing.assert_close(batch.rewards.sum(-1), scores)  # no KL in the rewards
-    expected = pt.group_advantages(scores, 4, "rloo")
+    expected = group_estimate(scores, 4, "rloo")
     assert torch.equal(batch.advantages, torch.where(mask, expected[:, None], 0.0))
     assert batch.returns is None and batch.correction["zero_std_groups"] == 1
     assert not batch.loss_mask[4:].any() and torch.equal(batch.loss_mask[:4].bool(), mask[:4])
@@ -528,6 +534,11 @@ def test_mismatch_correction_weights_fresh_tokens_too_and_logs_the_mismatch(toke
 # the losses: policy loss, value loss, explained variance, loss denominators, the decoupled loss
 
 
+def objective(logp, old, adv, mask, share=pt.Share(), is_weight=None, pg_mask=None, **cfg):  # policy_objective
+    mb = SimpleNamespace(old_logprobs=old, advantages=adv, loss_mask=mask, is_weight=is_weight, pg_mask=pg_mask)
+    return pt.policy_objective(logp, mb, pt.Config(**cfg), share)
+
+
 @pytest.mark.parametrize("eps_high", [0.0, 0.28])  # 0: --clip-range; 0.28: DAPO's clip-higher
 def test_policy_loss_equals_textbook_formula(eps_high):
     torch.manual_seed(0)
@@ -538,7 +549,7 @@ def test_policy_loss_equals_textbook_formula(eps_high):
     adv = torch.randn(B, T, dtype=torch.float64)
     mask = (torch.rand(B, T) > 0.3).long()
     mask[:, 0] = 1
-    loss, stats = pt.policy_loss(logp, old, adv, mask, eps, clip_range_high=eps_high)
+    loss, stats = objective(logp, old, adv, mask, clip_range=eps, clip_range_high=eps_high)
     # textbook (Schulman et al. 2017, eq. 7), element by element: maximise min(r A, clip(r, 1-e, 1+e_high) A)
     terms, clipped, kls = [], [], []
     for b in range(B):
@@ -553,8 +564,9 @@ def test_policy_loss_equals_textbook_formula(eps_high):
     assert abs(float(stats["clipfrac"]) - sum(clipped) / len(clipped)) < 1e-12
     assert abs(float(stats["approx_kl"]) - sum(kls) / len(kls)) < 1e-12
     # a micro-batch's share: sum over its tokens / the minibatch's token count
-    half_loss, _ = pt.policy_loss(logp[:2], old[:2], adv[:2], mask[:2], eps, mask.sum(), None, eps_high)
-    rest_loss, _ = pt.policy_loss(logp[2:], old[2:], adv[2:], mask[2:], eps, mask.sum(), None, eps_high)
+    share = pt.Share(mask.sum(), mask.sum())
+    half_loss, _ = objective(logp[:2], old[:2], adv[:2], mask[:2], share, clip_range=eps, clip_range_high=eps_high)
+    rest_loss, _ = objective(logp[2:], old[2:], adv[2:], mask[2:], share, clip_range=eps, clip_range_high=eps_high)
     torch.testing.assert_close(half_loss + rest_loss, loss)
 
 
@@ -597,10 +609,10 @@ def test_a_given_loss_denominator_is_not_clamped():
 def test_decoupled_loss_with_fresh_tokens_is_standard_ppo_to_the_bit():
     logp, old, adv = (torch.randn(3, 5) for _ in range(3))
     mask = torch.ones(3, 5)
-    standard, _ = pt.policy_loss(logp, old, adv, mask, 0.2)
-    decoupled, _ = pt.policy_loss(logp, old, adv, mask, 0.2, is_weight=torch.ones(3, 5))
+    standard, _ = objective(logp, old, adv, mask)
+    decoupled, _ = objective(logp, old, adv, mask, is_weight=torch.ones(3, 5))
     assert torch.equal(standard, decoupled)
-    half, _ = pt.policy_loss(logp, old, adv, mask, 0.2, is_weight=torch.full((3, 5), 0.5))
+    half, _ = objective(logp, old, adv, mask, is_weight=torch.full((3, 5), 0.5))
     torch.testing.assert_close(half, standard / 2)
 
 
@@ -634,8 +646,8 @@ def test_loss_aggregation_modes_against_float64_references(agg):
 
     def loss(rows):  # one micro-batch's share
         weight = None if row_weight is None else row_weight[rows][:, None]
-        return pt.policy_loss(logp[rows], old[rows], adv[rows], mask[rows], 0.2, tokens[0], None, 0.0, weight,
-                              denominators[0])[0]
+        share = pt.Share(tokens[0], denominators[0], weight)
+        return objective(logp[rows], old[rows], adv[rows], mask[rows], share)[0]
     seqs = []
     for b in range(B):
         terms = []
@@ -1603,7 +1615,7 @@ def test_config_errors_name_the_flags(capsys):
              (["--is-mode", "clip"], "--is-mode must be truncate or mask"),
              (["--kl-estimator", "k4"], "--kl-estimator must be k1, k2 or k3"),
              (["--kl-in", "both"], "--kl-in must be reward or loss"),
-             (["--advantage", "ppo"], "--advantage must be gae, grpo or rloo"),
+             (["--advantage", "ppo"], "--advantage must be gae, reinforce++, grpo or rloo"),
              (["--advantage", "grpo"], "--advantage grpo compares the completions of a prompt: --samples-per-prompt"),
              (["--batch-size", "12", "--minibatches", "2", "--samples-per-prompt", "8"],
               "--batch-size 12 must be divisible by --samples-per-prompt 8"),
@@ -1611,6 +1623,8 @@ def test_config_errors_name_the_flags(capsys):
              (["--scale-rewards", "std"], "--scale-rewards must be group, batch or none"),
              (["--loss-agg", "seq-mean"], "--loss-agg must be token-mean, seq-mean-token-mean or"),
              (["--clip-range-high", "-0.1"], "--clip-range-high must be >= 0"),
+             (["--policy-loss", "dapo"], "--policy-loss must be ppo, gspo or cispo"),
+             (["--pg-mask", "random"], "--pg-mask must be all or top-entropy"),
              (["--advantage", "grpo", "--samples-per-prompt", "2", "--kl-estimator", "k1"],
               "--kl-in loss needs --kl-estimator k2 or k3")]
     if not torch.cuda.is_available():
