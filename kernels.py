@@ -48,7 +48,6 @@ import importlib.util
 import inspect
 import json
 import os
-import statistics
 import tempfile
 import time
 
@@ -1001,9 +1000,9 @@ def token_budget_bins(lengths, budget: int, bins=0):
 
 def timed(fns: dict, device, reps=5):
     """{name: median seconds of fns[name]()}: one warm-up each, then reps rounds that run each once, interleaved, so a
-    slow spell of the machine hits all alike (the benchmarks of ppo_tokens.py)."""
+    slow spell of the machine hits all alike (the benchmarks of ppo_tokens.py and of this file)."""
     times = {name: [] for name in fns}
-    for round in range(reps + 1):
+    for rep in range(reps + 1):
         for name, fn in fns.items():
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
@@ -1011,12 +1010,13 @@ def timed(fns: dict, device, reps=5):
             fn()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            if round:  # (round 0: the warm-up)
+            if rep:  # (rep 0: the warm-up)
                 times[name].append(time.perf_counter() - t0)
     return {name: sorted(t)[reps // 2] for name, t in times.items()}
 
 
 # ---------------------------------------------------------------------------------------------------- benchmark
+# python kernels.py --bench: time and peak memory only; test_ppo_tokens.py checks the results.
 
 def _eager_logprobs(logits, tokens, temperature=1.0):
     """What RL libraries usually write; the baseline of the benchmark."""
@@ -1025,29 +1025,36 @@ def _eager_logprobs(logits, tokens, temperature=1.0):
     return logp_all.gather(-1, tokens[..., None]).squeeze(-1), entropy
 
 
-def _time_ms(fn, device, reps):
-    fn()  # warm-up (compiles, autotunes, allocates)
-    times = []
-    for _ in range(reps):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+def _eager_linear_logprobs(hidden, weight, tokens):
+    return _eager_logprobs(hidden @ weight.T, tokens)
+
+
+def _flash_attn_nll(logits, tokens):  # flash-attn's Triton cross-entropy: the NLL only (no entropy), for reference
+    from flash_attn.ops.triton.cross_entropy import cross_entropy_loss
+    return (cross_entropy_loss(logits, tokens)[0],)
+
+
+def _liger_nll(logits, tokens):  # Liger-Kernel's Triton cross-entropy: the NLL only
+    from liger_kernel.transformers.functional import liger_cross_entropy
+    return (liger_cross_entropy(logits, tokens, reduction="sum"),)
+
+
+def _fresh_leaves(*tensors):  # the inputs of one timed call: the floating ones as new leaves that require grad
+    return [t.detach().requires_grad_(t.is_floating_point()) for t in tensors]
+
+
+def _call(fn, inputs, backward):  # fn(*inputs()), without grad, or with the backward of the sum of its outputs
+    if not backward:
+        with torch.no_grad():
+            return fn(*inputs())
+    sum(o.float().sum() for o in fn(*inputs())).backward()
 
 
 def _peak_mb(fn, device):
-    """Peak bytes allocated by torch during fn, above what was live before it. CUDA: the caching allocator's
-    max_memory_allocated. CPU: the allocator's running 'Total Allocated' recorded with every allocation and free by
-    torch.profiler(profile_memory=True) (read from its trace); it sees torch's allocations only."""
-    if device == "cuda":
+    """Peak MB allocated by torch during fn(), above what was live before it. CUDA: the caching allocator's
+    max_memory_allocated. CPU: the running 'Total Allocated' that torch.profiler(profile_memory=True) records with
+    every allocation and free (read from its trace)."""
+    if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
@@ -1066,112 +1073,81 @@ def _peak_mb(fn, device):
     return (max(e["Total Allocated"] for e in events) - base) / 2**20
 
 
-def _bench_methods(device):
-    """name -> f(logits, tokens) returning outputs to sum for the backward, or a string saying why it is absent."""
-    methods = {"eager": _eager_logprobs}
+def _measure(fn, inputs, device, reps, backward):
+    """(ms, peak MB) of one call of fn (see _call), or why it has none, twice."""
+    call = functools.partial(_call, fn, inputs, backward)
     try:
-        methods["torch.compile(eager)"] = torch.compile(_eager_logprobs)
-    except Exception as e:  # noqa: BLE001 - report whatever breaks
-        methods["torch.compile(eager)"] = f"fail: {type(e).__name__}"
-    methods["ours, torch path"] = lambda x, t: token_logprobs(x, t, backend="torch")
-    methods["ours, triton"] = (lambda x, t: token_logprobs(x, t, backend="triton")) if device == "cuda" else \
-        "n/a (needs a GPU)"
-    try:  # flash-attn's and Liger's Triton cross-entropy: the NLL only (no entropy), for reference
-        from flash_attn.ops.triton.cross_entropy import cross_entropy_loss
-        methods["flash-attn cross_entropy (NLL only)"] = lambda x, t: (cross_entropy_loss(x, t)[0],)
-    except Exception:  # noqa: BLE001
-        methods["flash-attn cross_entropy (NLL only)"] = "n/a (not importable)"
-    try:
-        from liger_kernel.transformers.functional import liger_cross_entropy
-        methods["Liger cross_entropy (NLL only)"] = lambda x, t: (liger_cross_entropy(x, t, reduction="sum"),)
-    except Exception:  # noqa: BLE001
-        methods["Liger cross_entropy (NLL only)"] = "n/a (not importable)"
-    return methods
-
-
-def _bench_one(fn, make_input, device, reps, with_backward):
-    """(ms, peak MB) of fn, forward only (no grad) or forward + backward of the sum of its outputs."""
-    def step():
-        inputs = make_input()
-        if not with_backward:
-            with torch.no_grad():
-                return fn(*inputs)
-        sum(o.float().sum() for o in fn(*inputs)).backward()
-    try:
-        return _time_ms(step, device, reps), _peak_mb(step, device)
+        return 1e3 * timed({"call": call}, device, reps)["call"], _peak_mb(call, device)
     except torch.OutOfMemoryError:
         return "OOM", "OOM"
-    except Exception as e:  # noqa: BLE001 - e.g. torch.compile without a working compiler
+    except Exception as e:  # e.g. torch.compile without a working compiler, a package that does not import
         return f"fail: {type(e).__name__}", "-"
 
 
-def _format(value, spec: str) -> str:  # a number in spec, or a method's "n/a" reason as it is
+def _cell(value, spec):  # a number in spec, or the reason why there is none as it is
     return format(value, spec) if isinstance(value, float) else str(value)
 
 
-def _bench_inputs(logits, tokens, with_grad: bool):  # a timed call's inputs: logits as a fresh leaf for a backward
-    return (logits.detach().requires_grad_() if with_grad else logits), tokens
-
-
-def _copy_of(x):  # the bandwidth baseline: read x once, write a copy once
-    return torch.empty_like(x).copy_(x)
-
-
-def _fresh_leaves(*tensors):  # inputs of one timed forward + backward: new leaves that require grad
-    return tuple(t.detach().requires_grad_() for t in tensors)
-
-
 def _bench(args):
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    reps = 5 if device == "cuda" else 3
-    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-    if device == "cuda":
+    gpu = torch.cuda.is_available()
+    device = torch.device("cuda" if gpu else "cpu")
+    reps = 5 if gpu else 3
+    if gpu:
         shapes = [(n, v, "bf16") for v in (32000, 151936) for n in (8192, 32768, 65536)] + [(8192, 32000, "fp32")]
     else:  # small enough for a laptop; the last one is the CPU demo's shape (many tiny calls)
         shapes = [(512, 32000, "fp32"), (2048, 8192, "bf16"), (2048, 16, "fp32")]
     if args.tokens or args.vocab or args.dtype:
-        shapes = [(args.tokens or shapes[0][0], args.vocab or shapes[0][1], args.dtype or shapes[0][2])]
-    print(f"device: {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}, torch {torch.__version__}, "
+        n, v, dtype = shapes[0]
+        shapes = [(args.tokens or n, args.vocab or v, args.dtype or dtype)]
+    methods = {
+        "eager": _eager_logprobs,
+        "torch.compile(eager)": torch.compile(_eager_logprobs),
+        "ours, torch path": functools.partial(token_logprobs, backend="torch"),
+        "ours, triton": functools.partial(token_logprobs, backend="triton") if gpu else "n/a (needs a GPU)",
+        "flash-attn cross_entropy (NLL only)": _flash_attn_nll if importlib.util.find_spec("flash_attn") else "n/a",
+        "Liger cross_entropy (NLL only)": _liger_nll if importlib.util.find_spec("liger_kernel") else "n/a",
+    }
+    print(f"device: {torch.cuda.get_device_name() if gpu else 'cpu'}, torch {torch.__version__}, "
           f"triton {getattr(triton, '__version__', 'not installed')}")
-    print("time: median of", reps, "runs after a warm-up,", "CUDA events" if device == "cuda" else "perf_counter")
-    print("peak MB: torch allocations above the inputs during the call,",
-          "torch.cuda.max_memory_allocated" if device == "cuda" else "from torch.profiler memory events (CPU)")
+    print(f"time: median of {reps} runs after a warm-up (timed); peak MB: torch's allocations above the inputs")
     print("GB/s (GPU only): logits bytes read (fwd), or read twice + gradient written (fwd+bwd), over the time, "
           "and in % of the copy's (read + write) GB/s on the same logits")
-    methods = _bench_methods(device)
-    head = f"{'tokens x vocab dtype':>22} | {'method':<36} | {'fwd ms':>9} {'MB':>8} {'GB/s':>12} | " \
-           f"{'fwd+bwd ms':>10} {'MB':>8} {'GB/s':>12}"
-    print(head + "\n" + "-" * len(head))
-    for n, v, dt in shapes:
-        logits = torch.randn(n, v, device=device, dtype=dtypes[dt]).mul_(2)  # no fp32 temporary (40 GB at the top)
+    head = (f"{'tokens x vocab dtype':>22} | {'method':<36} | {'fwd ms':>9} {'MB':>8} {'GB/s':>12} | "
+            f"{'fwd+bwd ms':>10} {'MB':>8} {'GB/s':>12}")
+    print(head)
+    print("-" * len(head))
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    for n, v, dtype in shapes:
+        logits = torch.randn(n, v, device=device, dtype=dtypes[dtype]).mul_(2)  # no fp32 temporary (40 GB at the top)
         tokens = torch.randint(0, v, (n,), device=device)
         nbytes = logits.numel() * logits.element_size()
-        copy_ms = _time_ms(functools.partial(_copy_of, logits), device, reps)
+        copy_ms = 1e3 * timed({"copy": logits.clone}, device, reps)["copy"]  # the bandwidth baseline
         copy_gbs = 2 * nbytes / copy_ms / 1e6
-        print(f"{f'{n} x {v} {dt}':>22} | {'copy (empty_like + copy_)':<36} | {copy_ms:9.3f} {'':>8} "
-              f"{(f'{copy_gbs:.0f}' if device == 'cuda' else '-'):>12} |")
+        print(f"{f'{n} x {v} {dtype}':>22} | {'copy (clone: one read, one write)':<36} | {copy_ms:9.3f} {'':>8} "
+              f"{(f'{copy_gbs:.0f}' if gpu else '-'):>12} |")
+        inputs = functools.partial(_fresh_leaves, logits, tokens)
         for name, fn in methods.items():
             if isinstance(fn, str):  # why the method is absent
                 print(f"{'':>22} | {name:<36} | {fn}")
                 continue
-            row = []
-            for with_backward, traffic in ((False, nbytes), (True, 3 * nbytes)):
-                make = functools.partial(_bench_inputs, logits, tokens, with_backward)
-                ms, mb = _bench_one(fn, make, device, reps, with_backward)
-                gbs = f"{traffic / ms / 1e6:.0f} ({100 * traffic / ms / 1e6 / copy_gbs:.0f}%)" \
-                    if isinstance(ms, float) and device == "cuda" else "-"
-                row += [_format(ms, "9.3f"), _format(mb, "8.1f"), gbs]
-            print(f"{'':>22} | {name:<36} | {row[0]:>9} {row[1]:>8} {row[2]:>12} | {row[3]:>10} {row[4]:>8} "
-                  f"{row[5]:>12}")
+            cells = []
+            for backward, traffic in ((False, nbytes), (True, 3 * nbytes)):
+                ms, mb = _measure(fn, inputs, device, reps, backward)
+                gbs = "-"
+                if gpu and isinstance(ms, float):
+                    gbs = f"{traffic / ms / 1e6:.0f} ({100 * traffic / ms / 1e6 / copy_gbs:.0f}%)"
+                cells += [_cell(ms, ".3f"), _cell(mb, ".1f"), gbs]
+            print(f"{'':>22} | {name:<36} | {cells[0]:>9} {cells[1]:>8} {cells[2]:>12} | {cells[3]:>10} "
+                  f"{cells[4]:>8} {cells[5]:>12}")
         del logits
     _bench_linear(device, reps)
-    if device == "cpu":
+    if not gpu:
         print("GPU goals (fwd >= 90% and fwd+bwd >= 80% of copy bandwidth on an H200): not measured here")
 
 
 def _bench_linear(device, reps):
     """linear_token_logprobs against hidden @ W.T + eager log-probs, forward + backward (fixed shapes)."""
-    if device == "cuda":
+    if device.type == "cuda":
         shapes, dtype = [(8192, 32000, 4096), (8192, 151936, 4096)], torch.bfloat16
     else:
         shapes, dtype = [(512, 32000, 256)], torch.float32
@@ -1180,20 +1156,17 @@ def _bench_linear(device, reps):
         hidden = torch.randn(n, h, device=device, dtype=dtype)
         weight = torch.randn(v, h, device=device, dtype=dtype) / h**0.5
         tokens = torch.randint(0, v, (n,), device=device)
-        make = functools.partial(_fresh_leaves, hidden, weight)
-        res = {}
-        for name, fn in (("eager", lambda hd, w: _eager_logprobs(hd @ w.T, tokens)),
-                         ("linear_token_logprobs", lambda hd, w: linear_token_logprobs(hd, w, tokens))):
-            res[name] = _bench_one(fn, make, device, reps, True)
-        grads_mb = (v * h + n * h) * hidden.element_size() / 2**20  # d(W) and d(hidden): needed by any method
-        ok = all(isinstance(r[1], float) for r in res.values())
-        extra = {k: r[1] - grads_mb for k, r in res.items()} if ok else {}
-        print(f"  {n} x {v}, H={h}: " + "; ".join(f"{k} {r[0]:.1f} ms, peak {r[1]:.0f} MB" if isinstance(r[0], float)
-                                                  else f"{k} {r[0]}" for k, r in res.items()))
-        if ok:
-            print(f"    peak beyond the {grads_mb:.0f} MB of gradients: eager {extra['eager']:.0f} MB, fused "
-                  f"{extra['linear_token_logprobs']:.0f} MB, ratio "
-                  f"{extra['eager'] / max(extra['linear_token_logprobs'], 1e-9):.1f}x (GPU goal at 152k: >= 16x)")
+        inputs = functools.partial(_fresh_leaves, hidden, weight, tokens)
+        eager_ms, eager_mb = _measure(_eager_linear_logprobs, inputs, device, reps, True)
+        fused_ms, fused_mb = _measure(linear_token_logprobs, inputs, device, reps, True)
+        print(f"  {n} x {v}, H={h}: eager {_cell(eager_ms, '.1f')} ms, peak {_cell(eager_mb, '.0f')} MB; "
+              f"linear_token_logprobs {_cell(fused_ms, '.1f')} ms, peak {_cell(fused_mb, '.0f')} MB")
+        if isinstance(eager_mb, float) and isinstance(fused_mb, float):
+            grads_mb = (v * h + n * h) * hidden.element_size() / 2**20  # d(W) and d(hidden): needed by any method
+            extra_eager = eager_mb - grads_mb
+            extra_fused = fused_mb - grads_mb
+            print(f"    peak beyond the {grads_mb:.0f} MB of gradients: eager {extra_eager:.0f} MB, fused "
+                  f"{extra_fused:.0f} MB, ratio {extra_eager / max(extra_fused, 1e-9):.1f}x (GPU goal at 152k: >= 16x)")
 
 
 if __name__ == "__main__":
