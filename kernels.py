@@ -44,10 +44,12 @@ depends on torch, triton and transformers only, never on ppo_tokens.py, which lo
 import argparse
 import contextlib
 import functools
+import importlib.machinery
 import importlib.util
 import inspect
 import json
 import os
+import sys
 import tempfile
 import time
 
@@ -58,6 +60,20 @@ try:
     import triton.language as tl
 except ImportError:  # CPU-only installs: the torch path still works
     triton = None
+
+# This file shares its name with the Hugging Face Hub's `kernels` package, which transformers >= 5.25 imports. A script
+# run in this directory has the directory on sys.path, where `import kernels` finds this file first: imported by that
+# name, it hands the name over to the Hub's package (an import returns sys.modules[name] once the module body has
+# run). Without that package this module stays `kernels`: transformers then finds no version of it and leaves it
+# alone (raising ImportError here would break transformers' check, which imports it). ppo_tokens.py loads this file
+# by path, as `ppo_tokens_kernels`.
+if __name__ == "kernels":
+    _here = os.path.dirname(os.path.realpath(__file__))
+    _elsewhere = [p for p in sys.path if os.path.realpath(p or os.curdir) != _here]
+    _hub = importlib.machinery.PathFinder.find_spec("kernels", _elsewhere)
+    if _hub is not None:
+        sys.modules["kernels"] = importlib.util.module_from_spec(_hub)
+        _hub.loader.exec_module(sys.modules["kernels"])
 
 # 4096 float32 values per block: with 8 warps that is 16 values per thread, enough bytes in flight per SM to saturate
 # HBM (Little's law: ~5 TB/s x ~1 us latency / 132 SMs ~ 40 KB) while the three per-block reductions (max, two sums)

@@ -1972,6 +1972,17 @@ def test_linear_all_rows_masked_and_no_grad():
           what="no-grad linear")  # fp32 both
 
 
+
+def test_a_script_in_this_directory_loads_a_model_with_the_hubs_kernels_package(tmp_path):
+    """kernels.py shares its name with the Hugging Face Hub's `kernels` package, which transformers imports: a user's
+    script run in this directory (where `import kernels` finds our file first) must still load a model."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(vocab_size=16, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    script = f"import transformers; transformers.AutoModelForCausalLM.from_pretrained({str(tmp_path)!r})"
+    run = subprocess.run([sys.executable, "-c", script], cwd=HERE, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+
 # ---------------------------------------------------------------------------------------------------------------
 # CUDA: the GPU-only paths, run when CUDA exists (skipped otherwise). PPO_TOKENS_STRICT=1 (set above, inherited by
 # every subprocess) makes a fast path that falls back (fast sampler, CUDA graph, compile, flash-attn, fused head) an
