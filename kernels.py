@@ -24,16 +24,11 @@ several float32 copies of a (tokens, vocab) tensor; at 152k vocab that is most o
 The KL to the reference model is not fused in: it is an elementwise function of two per-token log-probs, so computing
 it inside the pass over the vocabulary would save nothing.
 
-Numerics (Triton): all sums are in float32 and relative to the row max m of the raw logits
-(the online update rescales them when m grows): with z = (x - m) / T, log sum exp z lies in [0, log V], the
-entropy log sum exp z - sum p z does not cancel, and x - m is exact for the logits that carry probability, so
-dividing by T does not round a large offset (logits ~1e4 keep float32 accuracy). logp = z[t] - log sum exp z.
-The backward gets p back from three saved floats per row (m, log sum exp z, sum p z).
-
-Every function has a Triton path (CUDA, or CPU tensors under TRITON_INTERPRET=1) and a plain PyTorch path (CPU, no
-Triton, float64): torch.log_softmax on row chunks of at most 4M elements (the same max shift before 1/T), the row
-max and the entropy kept per row, log p recomputed in the backward. The torch path on float64 input is the
-reference the tests compare against (test_ppo_tokens.py checks every path; the benchmark only measures):
+Each function has a Triton path (CUDA, or CPU tensors under TRITON_INTERPRET=1), whose sums are in float32 and
+relative to the row max m (x - m is exact for the logits that carry probability, so dividing by T rounds no large
+offset), and a plain PyTorch path (CPU; float64 input makes it the reference the tests compare against):
+torch.log_softmax on row chunks of at most 4M elements, with the same max shift before 1/T. test_ppo_tokens.py
+checks every path; the benchmark only measures (time, peak memory, bandwidth):
 
     python kernels.py --bench [--tokens N] [--vocab V] [--dtype bf16|fp16|fp32]
 
@@ -61,12 +56,10 @@ try:
 except ImportError:  # CPU-only installs: the torch path still works
     triton = None
 
-# This file shares its name with the Hugging Face Hub's `kernels` package, which transformers >= 5.25 imports. A script
-# run in this directory has the directory on sys.path, where `import kernels` finds this file first: imported by that
-# name, it hands the name over to the Hub's package (an import returns sys.modules[name] once the module body has
-# run). Without that package this module stays `kernels`: transformers then finds no version of it and leaves it
-# alone (raising ImportError here would break transformers' check, which imports it). ppo_tokens.py loads this file
-# by path, as `ppo_tokens_kernels`.
+# The Hugging Face Hub's package, which transformers >= 5.25 imports, is also called `kernels`; a script run in this
+# directory finds this file first. Imported by that name, this file hands it to the Hub's package (an import returns
+# sys.modules[name] once the module body has run). Without that package it stays: transformers then finds no version
+# of it, and an ImportError here would break that check. (ppo_tokens.py loads this file as `ppo_tokens_kernels`.)
 if __name__ == "kernels":
     _here = os.path.dirname(os.path.realpath(__file__))
     _elsewhere = [p for p in sys.path if os.path.realpath(p or os.curdir) != _here]
@@ -119,8 +112,9 @@ def _pick_backend(backend, x):
     return "torch"
 
 
-def _check(rows, tokens, mask, kept_ids, temperature):
-    """rows: the logits' shape without the vocab dim."""
+def _flat_inputs(rows, tokens, mask, kept_ids, temperature):
+    """The per-row inputs, checked against rows (the logits' shape without the vocab dim), as contiguous 1-D (2-D for
+    kept_ids) tensors; they are tiny next to the logits."""
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     for name, t in (("tokens", tokens), ("mask", mask)):
@@ -128,17 +122,10 @@ def _check(rows, tokens, mask, kept_ids, temperature):
             raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(rows)}")
     if kept_ids is not None and kept_ids.shape[:-1] != rows:
         raise ValueError(f"kept_ids has shape {tuple(kept_ids.shape)}, expected {tuple(rows)} + (K,)")
-
-
-def _flat_inputs(tokens, mask, kept_ids):
-    """Per-row inputs as contiguous 1-D (2-D for kept_ids) tensors; they are tiny next to the logits."""
     n = tokens.numel()
-    tokens = tokens.reshape(n).long().contiguous()
-    if mask is not None:
-        mask = mask.reshape(n).bool().contiguous()
-    if kept_ids is not None:
-        kept_ids = kept_ids.reshape(n, kept_ids.shape[-1]).long().contiguous()
-    return tokens, mask, kept_ids
+    mask = None if mask is None else mask.reshape(n).bool().contiguous()
+    kept_ids = None if kept_ids is None else kept_ids.reshape(n, kept_ids.shape[-1]).long().contiguous()
+    return tokens.reshape(n).long().contiguous(), mask, kept_ids
 
 
 # ---------------------------------------------------------------------------------------------------- torch path
@@ -499,10 +486,9 @@ def token_logprobs(logits, tokens, temperature=1.0, *, mask=None, kept_ids=None,
       logits); saves one logits-sized buffer. Ignored with kept_ids.
     When grad is disabled or logits do not require grad, nothing is saved for a backward (the scoring fast path).
     """
-    _check(logits.shape[:-1], tokens, mask, kept_ids, temperature)
     backend = _pick_backend(backend, logits)
     shape = tokens.shape
-    tokens, mask, kept_ids = _flat_inputs(tokens, mask, kept_ids)
+    tokens, mask, kept_ids = _flat_inputs(logits.shape[:-1], tokens, mask, kept_ids, temperature)
     if tokens.numel() == 0:
         logp = logits.new_zeros(shape, dtype=_compute_dtype(logits))
         return logp, logp.clone()
@@ -578,10 +564,9 @@ def linear_token_logprobs(hidden, weight, tokens, temperature=1.0, *, mask=None,
     V, H = weight.shape
     if hidden.shape[-1] != H:
         raise ValueError(f"hidden has {hidden.shape[-1]} features, weight (V, H) has H = {H}")
-    _check(hidden.shape[:-1], tokens, mask, kept_ids, temperature)
     backend = _pick_backend(backend, weight)
     shape = tokens.shape
-    tokens, mask, kept_ids = _flat_inputs(tokens, mask, kept_ids)
+    tokens, mask, kept_ids = _flat_inputs(hidden.shape[:-1], tokens, mask, kept_ids, temperature)
     hidden2d = hidden.reshape(-1, H)                                                    # (N, H)
     rows = None if mask is None else mask.nonzero().squeeze(1)
     if rows is not None:  # index_select's backward scatters into zeros: masked rows get exactly 0 gradient
@@ -690,20 +675,22 @@ def ppo_attention(module, query, key, value, attention_mask, packed_layout=None,
         q, k, v = (x[0].transpose(0, 1).to(dtype) for x in (query, key, value))  # (N, heads, d)
         return flash_attn_varlen()(q, k, v, layout["cu_seqlens"], layout["cu_seqlens"], layout["width"],
                                    layout["width"], softmax_scale=scaling, causal=True)[None], None
-    rows, width, to_packed = layout["rows"], layout["width"], layout["to_packed"]
-
-    def padded(x):  # (1, h, N, d) -> (rows, h, width, d): one sequence per row, zeros after it (index_copy and
-        x = x[0].transpose(0, 1)  # index_select: their backwards are a gather and an index_add, both cheap)
-        rows_view = x.new_zeros(rows * width, *x.shape[1:]).index_copy(0, to_packed, x)
-        return rows_view.view(rows, width, *x.shape[1:]).transpose(1, 2)
-    q, k, v = padded(query), padded(key), padded(value)
+    q, k, v = (_right_padded(x, layout) for x in (query, key, value))  # (rows, heads, width, d)
     if dtype == torch.float32 and groups > 1:  # SDPA has no fused fp32 kernel for GQA (only its math one)
         k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
     # right-padded rows need no mask: causal attention never looks at the pads after a sequence's last token
     out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling,
                                                            enable_gqa=k.shape[1] != q.shape[1])
-    out = out.transpose(1, 2).reshape(rows * width, *q.shape[1:2], q.shape[3])  # (rows * width, heads, d)
-    return out.index_select(0, to_packed)[None], None
+    out = out.transpose(1, 2).flatten(0, 1)                                    # (rows * width, heads, d)
+    return out.index_select(0, layout["to_packed"])[None], None
+
+
+def _right_padded(x, layout):
+    """(1, h, N, d) packed -> (rows, h, width, d): one sequence per row, zeros after it. (index_copy here and
+    index_select in ppo_attention: their backwards are a gather and an index_add, both cheap.)"""
+    x = x[0].transpose(0, 1)                                                   # (N, h, d)
+    rows_view = x.new_zeros(layout["rows"] * layout["width"], *x.shape[1:]).index_copy(0, layout["to_packed"], x)
+    return rows_view.view(layout["rows"], layout["width"], *x.shape[1:]).transpose(1, 2)
 
 
 def decoder_kwargs(model):  # (the name of the forward's cache argument, {"logits_to_keep": 1} if it takes one)
@@ -919,8 +906,9 @@ def agrees_with_plain_loop(decoder, model, batch_size: int, plain, group=1):
     outputs = [[d.start(ids, mask, position_ids), d.step(ids[:, 1]).clone(), d.step(ids[:, 2])]
                for d in (decoder, plain(model))]
     exact = model.dtype in (torch.float32, torch.float64)
-    for a, b in zip(*outputs):  # fp32/64: log-probs within 1e-3; bf16 (one rounding step can be 0.25): distributions
-        a, b = torch.log_softmax(a.float(), -1), torch.log_softmax(b.float(), -1)  # within 0.02 total variation
+    # fp32/64: log-probs within 1e-3; bf16 (one rounding step can be 0.25): distributions within 0.02 total variation
+    for a, b in zip(*outputs):
+        a, b = torch.log_softmax(a.float(), -1), torch.log_softmax(b.float(), -1)
         diff = (a - b).abs().max() if exact else 0.5 * (a.exp() - b.exp()).abs().sum(-1).max()
         if diff > (1e-3 if exact else 0.02):
             raise ValueError(f"its next-token distributions differ from the plain loop's by {float(diff):.3g}")
