@@ -45,19 +45,10 @@ import torch.nn as nn
 
 
 def import_kernels():
-    """kernels.py shares its name with the Hugging Face Hub's `kernels` package, which transformers >= 5.25 installs
-    and imports: import the Hub's first (if any) with this directory off the path, so that `kernels` means the Hub's
-    everywhere; then this project's file, as the module `ppo_tokens_kernels`."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    saved_path = sys.path[:]
-    sys.path[:] = [p for p in saved_path if os.path.abspath(p or os.curdir) != here]
-    try:
-        importlib.import_module("kernels")
-    except ImportError:  # not installed (transformers < 5.25): nothing imports it
-        pass
-    finally:
-        sys.path[:] = saved_path
-    spec = importlib.util.spec_from_file_location("ppo_tokens_kernels", os.path.join(here, "kernels.py"))
+    """kernels.py, loaded by path as the module `ppo_tokens_kernels`: the name `kernels` belongs to the Hugging Face
+    Hub's package, which transformers >= 5.25 imports (kernels.py hands the name over when imported by it)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels.py")
+    spec = importlib.util.spec_from_file_location("ppo_tokens_kernels", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
