@@ -1817,12 +1817,34 @@ def log_iteration(t: Training, step: int, batch: Rollout, kl, stats: dict, lr: f
             print(f"    {p!r} -> {c!r}  (score {s:.2f})")
 
 
-def save_training(t: Training, step: int, batch: Rollout):  # a checkpoint after iteration `step`, on every rank
-    state = {"step": step, "first_accuracy": t.first_accuracy, "time_s": time.time() - t.run_start,
-             "shuffle_rng": t.shuffle_generator.get_state(), "schedules": [s.state_dict() for s in t.schedules]}
-    t.last_checkpoint = save_checkpoint(t.output_dir, step, t.actor, t.critic, t.optimizers, t.run.tokenizer, state,
-                                        {"sampler_rng": batch.sampler_rng}, t.cfg, t.ctx)
-    print(f"checkpoint: {t.last_checkpoint}", flush=True)
+def save_training(t: Training, step: int, batch: Rollout):
+    """checkpoints/step-N/ on every rank: config.json, policy/ (an HF model, usable as --model) and, through
+    torch.distributed.checkpoint (DCP), the actor, critic, optimizers, schedules, generators and every rank's RNGs (each
+    rank writes its own shards: FSDP2 is not gathered). DCP writes its .metadata last, and a directory counts as a
+    checkpoint only once it has one, so a kill at any moment leaves the older checkpoints whole."""
+    import warnings
+    import torch.distributed.checkpoint as dcp
+    path = os.path.join(t.output_dir, "checkpoints", f"step-{step:08d}")
+    policy_state = full_policy_state(t.actor)  # a collective under FSDP2
+    if t.ctx.rank == 0:  # (over a half-written directory of a killed run: it has no .metadata)
+        save_policy(t.run.policy, t.run.tokenizer, os.path.join(path, "policy"), policy_state)
+        write_json(dataclasses.asdict(t.cfg), os.path.join(path, "config.json"))
+        for directory, _, files in os.walk(path):  # on disk before the .metadata (DCP fsyncs its own files)
+            for name in files:
+                with open(os.path.join(directory, name), "rb") as f:
+                    os.fsync(f.fileno())
+    state = checkpoint_state(t.actor, t.critic, t.optimizers, t.schedules, t.ctx, batch.sampler_rng,
+                             t.shuffle_generator, step=step, first_accuracy=t.first_accuracy,
+                             time_s=time.time() - t.run_start)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")  # (a single process saves alone)
+        dcp.save(state, checkpoint_id=path)
+    if t.ctx.rank == 0:
+        for old in checkpoints(t.output_dir)[:-t.cfg.keep_checkpoints]:
+            os.remove(os.path.join(old, ".metadata"))  # first: a half-deleted checkpoint must not look whole
+            shutil.rmtree(old)
+    t.last_checkpoint = path
+    print(f"checkpoint: {path}", flush=True)
 
 
 class StopSignal:
@@ -1857,21 +1879,10 @@ def stop_after(t: Training, step: int, batch: Rollout, stop: StopSignal) -> list
     return t.history
 
 
-def finish_training(t: Training):
-    """The end of a run: the policy saved as an HF model (output_dir/policy); under torchrun a bit-for-bit check that
-    every rank holds the same weights (sha256 of the published weights); the summary."""
-    policy_state = {k.removeprefix("policy."): v for k, v in full_state(t.actor).items()}
+def finish_training(t: Training):  # the end of a run: the policy as an HF model (output_dir/policy), the summary
+    policy_state = full_policy_state(t.actor)  # a collective under FSDP2
     if t.ctx.rank == 0:
         save_policy(t.run.policy, t.run.tokenizer, os.path.join(t.output_dir, "policy"), policy_state)
-    if torch.distributed.is_initialized():
-        digest = hashlib.sha256()
-        for chunk in t.sync.staging.split(1 << 26):  # 64M values at a time: no full host copy, no cast
-            digest.update(chunk.view(torch.uint8).cpu().numpy().tobytes())
-        digests = [None] * t.ctx.world
-        torch.distributed.all_gather_object(digests, digest.hexdigest()[:16])
-        print(f"actor weights (sha256 of the gathered weights) on each rank: {' '.join(digests)}")
-        if len(set(digests)) > 1:
-            raise SystemExit(f"the ranks' actor weights differ ({digests}); the data-parallel update is broken")
     summarize(t.history, t.first_accuracy, t.output_dir)
 
 
@@ -1934,127 +1945,80 @@ def write_json(obj, path: str):
     atomic_write(path, json.dumps(obj, indent=2))
 
 
-def full_state(model, optimizer=None):
-    """The model's (with an optimizer: the optimizer's) state with every tensor whole, on the CPU: gathered from the
-    shards under FSDP2 (a collective: every rank calls it, rank 0 receives it), without DDP's "module." prefix."""
-    from torch.distributed.checkpoint import state_dict as dcp
-    options = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)
-    if optimizer is None:
-        return dcp.get_model_state_dict(model, options=options)
-    return dcp.get_optimizer_state_dict(model, optimizer, options=options)
+def full_policy_state(actor) -> dict:
+    """The policy's weights whole, on the CPU, without the "module." / "policy." prefixes of DDP and Actor: under
+    FSDP2 gathered from the shards (a collective: every rank calls it, rank 0 receives them)."""
+    from torch.distributed.checkpoint import state_dict as dcp_state
+    options = dcp_state.StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return {k.removeprefix("policy."): v for k, v in dcp_state.get_model_state_dict(actor, options=options).items()}
 
 
-def load_full_state(model, state: dict, optimizer=None):  # the inverse; under torchrun rank 0 reads, the others receive
-    from torch.distributed.checkpoint import state_dict as dcp
-    options = dcp.StateDictOptions(full_state_dict=True, broadcast_from_rank0=torch.distributed.is_initialized())
-    if optimizer is None:
-        return dcp.set_model_state_dict(model, state, options=options)
-    dcp.set_optimizer_state_dict(model, optimizer, state, options=options)
-
-
-def save_policy(policy, tokenizer, path: str, state_dict: dict):
-    """save_pretrained(state_dict) + tokenizer into path, written beside it first and renamed into place."""
+def save_policy(policy, tokenizer, path: str, state_dict: dict):  # save_pretrained of these weights + the tokenizer
     from transformers.utils import logging
     logging.disable_progress_bar()  # no "Writing model shards" bar at every checkpoint
-    tmp = path + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
     # cloned: the trainer's parameters are views into one flat buffer, which safetensors would see as shared memory
-    policy.save_pretrained(tmp, state_dict={k: v.detach().clone() for k, v in state_dict.items()})
-    tokenizer.save_pretrained(tmp)
-    shutil.rmtree(path, ignore_errors=True)
-    os.replace(tmp, path)
+    policy.save_pretrained(path, state_dict={k: v.detach().clone() for k, v in state_dict.items()})
+    tokenizer.save_pretrained(path)
 
 
-def checkpoints(run_dir: str):  # the whole checkpoints of a run (renamed into place), oldest first
+def checkpoints(run_dir: str):  # the whole checkpoints of a run (those with DCP's .metadata), oldest first
     root = os.path.join(run_dir, "checkpoints")
-    if not os.path.isdir(root):
-        return []
-    return [os.path.join(root, n) for n in sorted(os.listdir(root)) if n.startswith("step-")]
+    names = sorted(os.listdir(root)) if os.path.isdir(root) else []
+    return [os.path.join(root, n) for n in names if n.startswith("step-") and
+            os.path.isfile(os.path.join(root, n, ".metadata"))]
 
 
 def find_checkpoint(path: str) -> str:  # --resume PATH: a checkpoint directory, or a run directory's newest one
     if not path:
         raise ValueError("--resume needs --output-dir DIR (the run to continue), or --resume PATH")
     path = os.path.abspath(path)  # (a trailing slash or a relative path must not move the run's directory)
-    if os.path.isfile(os.path.join(path, "trainer_state.pt")):
+    if os.path.isfile(os.path.join(path, ".metadata")):
         return path
     found = checkpoints(path)
     if not found:
-        raise ValueError(f"--resume: no whole checkpoint in {path} (looked for {path}/checkpoints/step-*)")
+        raise ValueError(f"--resume: no whole checkpoint in {path} (looked for {path}/checkpoints/step-*/.metadata)")
     return found[-1]
 
 
-def save_checkpoint(output_dir: str, step: int, actor, critic, optimizers, tokenizer, state: dict, rank_state: dict,
-                    cfg: Config, ctx: Dist) -> str:
-    """checkpoints/step-N/: policy/ (an HF model, usable as --model), critic, optimizers, schedules, every rank's RNGs,
-    config. Every rank calls it (gathering is collective); rank 0 writes a hidden temporary directory, fsyncs it and
-    renames it into place, so a kill at any moment leaves the older checkpoints whole."""
-    root = os.path.join(output_dir, "checkpoints")
-    final, tmp = os.path.join(root, f"step-{step:08d}"), os.path.join(root, f".tmp-step-{step:08d}")
-    policy_state = {k.removeprefix("policy."): v for k, v in full_state(actor).items()}
-    critic_state = full_state(critic) if critic is not None else None  # (grpo / rloo: no critic)
-    optimizer_states = [full_state(m, o) for m, o in zip((actor, critic), optimizers) if m is not None]
-    rank_state = {**rank_state, "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
-                  "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
-    ranks = [rank_state] * ctx.world
-    if torch.distributed.is_initialized():
-        torch.distributed.all_gather_object(ranks, rank_state)
-    if ctx.rank > 0:
-        return final
-    shutil.rmtree(tmp, ignore_errors=True)
-    save_policy(getattr(actor, "module", actor).policy, tokenizer, os.path.join(tmp, "policy"), policy_state)
-    if critic_state is not None:
-        torch.save(critic_state, os.path.join(tmp, "critic.pt"))
-    torch.save({**state, "optimizers": optimizer_states, "ranks": ranks}, os.path.join(tmp, "trainer_state.pt"))
-    write_json(dataclasses.asdict(cfg), os.path.join(tmp, "config.json"))
-    for directory, _, files in os.walk(tmp):  # on disk, names included, before the rename makes the checkpoint count
-        for name in files:
-            with open(os.path.join(directory, name), "rb") as f:
-                os.fsync(f.fileno())
-        fsync_directory(directory)
-    if os.environ.get("PPO_TOKENS_TEST_KILL_AT_CHECKPOINT") == str(step):  # test hook: die between write and rename
-        os.kill(os.getpid(), signal.SIGKILL)
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    fsync_directory(root)  # the rename itself on disk
-    for old in checkpoints(output_dir)[:-cfg.keep_checkpoints]:
-        shutil.rmtree(old)
-    return final
-
-
-def fsync_directory(path: str):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def checkpoint_state(actor, critic, optimizers, schedules, ctx: Dist, sampler_rng, shuffle_generator, **loop) -> dict:
+    """What a checkpoint holds, as DCP saves it, and (with placeholders of the same shapes) loads it in place: the
+    models' and optimizers' state dicts (sharded under FSDP2), the schedules, the shuffling generator, loop (step, ...)
+    and this rank's RNG states under its own key (sampler_rng: the sampling generator's state after the batch)."""
+    from torch.distributed.checkpoint import state_dict as dcp_state
+    rngs = {"sampler_rng": sampler_rng, "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
+            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+    state = {**loop, "schedules": [s.state_dict() for s in schedules], "shuffle_rng": shuffle_generator.get_state(),
+             f"rank{ctx.rank}": rngs}
+    for name, model, optimizer in zip(("actor", "critic"), (actor, critic), optimizers):
+        if model is not None:  # (grpo / rloo: no critic)
+            state[name], state[f"{name}_optimizer"] = dcp_state.get_state_dict(model, optimizer)
+    return state
 
 
 def load_checkpoint(path: str, actor, critic, optimizers, schedules, ctx: Dist = Dist()) -> dict:
-    """Load save_checkpoint's files in place (the policy's parameters stay views of the packed buffer; rank 0 reads,
-    the others receive) and restore this rank's RNGs. Returns the trainer state with this rank's generator states."""
-    policy_state, critic_state, state = {}, {}, {}
-    if ctx.rank == 0:
-        from transformers import AutoModelForCausalLM
-        saved = AutoModelForCausalLM.from_pretrained(os.path.join(path, "policy"), dtype=torch.float32)
-        policy_state = {f"policy.{k}": v for k, v in saved.state_dict().items()}
-        if critic is not None:
-            critic_state = torch.load(os.path.join(path, "critic.pt"), map_location="cpu")
-        state = torch.load(os.path.join(path, "trainer_state.pt"), map_location="cpu")
-    models = [(m, o) for m, o in zip((actor, critic), optimizers) if m is not None]  # (no critic: grpo / rloo)
-    for (model, optimizer), saved in zip(models, state.get("optimizers", [{}] * len(models))):
-        load_full_state(model, policy_state if model is actor else critic_state)
-        load_full_state(model, saved, optimizer)
-    if torch.distributed.is_initialized():
-        shared = [{k: v for k, v in state.items() if k != "optimizers"}]
-        torch.distributed.broadcast_object_list(shared, src=0)
-        state = shared[0]
-    if len(state["ranks"]) != ctx.world:
-        raise SystemExit(f"--resume {path}: written by {len(state['ranks'])} ranks; resume with as many "
-                         f"(torchrun --nproc_per_node), not {ctx.world}")
+    """Load a checkpoint in place (the policy's parameters stay views of the packed buffer) and restore this rank's
+    RNGs. Returns the loop state (step, first_accuracy, time_s) with the generator states."""
+    import warnings
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import state_dict as dcp_state
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    world = len({k.split(".")[0] for k in saved if k.startswith("rank")})
+    if world != ctx.world:
+        raise SystemExit(f"--resume {path}: written by {world} ranks; resume with as many (torchrun "
+                         f"--nproc_per_node), not {ctx.world}")
+    device = next(actor.parameters()).device
+    state = checkpoint_state(actor, critic, optimizers, schedules, ctx, torch.Generator(device).get_state(),
+                             torch.Generator(), step=0, first_accuracy=None, time_s=0.0)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")  # (a single process loads alone)
+        dcp.load(state, checkpoint_id=path)
+    for name, model, optimizer in zip(("actor", "critic"), (actor, critic), optimizers):
+        if model is not None:
+            dcp_state.set_state_dict(model, optimizer, model_state_dict=state[name],
+                                     optim_state_dict=state[f"{name}_optimizer"])
     for schedule, saved in zip(schedules, state["schedules"]):
         schedule.load_state_dict(saved)
-    mine = state["ranks"][ctx.rank]
+    mine = state[f"rank{ctx.rank}"]
     torch.set_rng_state(mine["torch_rng"])
     random.setstate(mine["python_rng"])
     if mine["cuda_rng"] and torch.cuda.is_available():
