@@ -1494,39 +1494,43 @@ class WeightSync:
 
 
 class Tracer:
-    """Busy and waiting spans of both sides: summed per iteration for the log, and with --trace a Chrome trace."""
+    """Busy and waiting seconds of the trainer and the sampler thread, summed per iteration for the log line; with
+    --trace also a torch.profiler timeline of iterations 2-4 (1 warms up): both threads' spans (record_function) and
+    ops, and on CUDA the kernels of both streams; chrome://tracing or ui.perfetto.dev shows it."""
 
     def __init__(self, path: str):
-        self.path = path
-        self.events = []  # Chrome trace events (with --trace)
         self.totals = {}  # busy / wait seconds per side since the last take()
-        self.t0 = time.perf_counter()
         self.lock = threading.Lock()
+        self.profiler = None
+        if path:
+            self.profiler = torch.profiler.profile(
+                activities=torch.profiler.supported_activities(),  # CPU, and CUDA where there is one
+                schedule=torch.profiler.schedule(wait=1, warmup=1, active=3, repeat=1),  # a long run's trace stays small
+                on_trace_ready=lambda profiler: profiler.export_chrome_trace(path),
+                experimental_config=torch._C._profiler._ExperimentalConfig(profile_all_threads=True))  # the sampler's
+            self.profiler.start()
 
     @contextlib.contextmanager
     def span(self, name: str, side: str):  # side: "trainer" or "sampler"; names "wait..." count as waiting
         start = time.perf_counter()
         try:
-            yield
+            with torch.profiler.record_function(name):
+                yield
         finally:
-            end = time.perf_counter()
             key = f"{side}_{'wait' if name.startswith('wait') else 'busy'}_s"
             with self.lock:
-                self.totals[key] = self.totals.get(key, 0.0) + end - start
-                if self.path:
-                    self.events.append({"name": name, "ph": "X", "pid": 0, "tid": 1 if side == "trainer" else 2,
-                                        "ts": 1e6 * (start - self.t0), "dur": 1e6 * (end - start)})
+                self.totals[key] = self.totals.get(key, 0.0) + time.perf_counter() - start
 
-    def take(self) -> dict:  # the totals since the last take
+    def take(self) -> dict:  # the totals since the last take, once per iteration (the profiler's step)
+        if self.profiler is not None:
+            self.profiler.step()
         with self.lock:
             totals, self.totals = self.totals, {}
         return totals
 
-    def write(self):
-        names = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": t, "args": {"name": n}}
-                 for t, n in ((1, "trainer"), (2, "sampler"))]
-        if self.path:
-            write_json({"traceEvents": names + self.events, "displayTimeUnit": "ms"}, self.path)
+    def write(self):  # the end of the run: the trace of what the schedule recorded so far
+        if self.profiler is not None:
+            self.profiler.stop()
 
 
 class Producer:

@@ -1023,8 +1023,9 @@ def test_staleness_one_keeps_every_token_within_bounds(tmp_path):
     assert all(r["staleness_max"] <= 1 for r in records) and max(r["staleness_max"] for r in records) == 1
     assert records[0]["staleness_max"] == 0 and records[0]["is_weight_mean"] == 1.0
     assert all(r["first_ratio_max_dev"] == 0.0 and r["weight_sync_ms"] >= 0 for r in records)
-    trace = json.load(open(tmp_path / "trace.json"))["traceEvents"]
-    assert {"generate", "update"} <= {e["name"] for e in trace} and {1, 2} <= {e["tid"] for e in trace}
+    trace = json.load(open(tmp_path / "trace.json"))["traceEvents"]  # torch.profiler's, of iterations 2-4
+    threads = {name: {e["tid"] for e in trace if e.get("name") == name} for name in ("generate", "update")}
+    assert threads["generate"] and threads["update"] and not threads["generate"] & threads["update"]  # both threads
     assert "it    6/6" in out
     run_script([*LOOP, "--steps", "6", "--max-staleness", "2", "--output-dir", str(tmp_path / "run2")], tmp_path)
     records = [r for r in read_metrics(tmp_path / "run2") if r["step"] > 0]
