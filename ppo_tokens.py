@@ -1252,13 +1252,11 @@ def left_pad(seqs, pad_id: int, device):
 
 
 def prompt_order(n: int, seed: int, start: int = 0):
-    """Endless epochs over n prompts (their indices), each epoch in a fresh random order from its own generator;
-    start: skip that many (a resumed run continues the same order where its checkpoint left it)."""
-    def epochs():
-        generator = torch.Generator().manual_seed(seed)
-        while True:
-            yield from reversed(torch.randperm(n, generator=generator).tolist())
-    return itertools.islice(epochs(), start, None)
+    """Endless epochs over n prompt indices, each in a fresh random order; start: skip that many (a resumed run
+    continues the order where its checkpoint left it)."""
+    generator = torch.Generator().manual_seed(seed)
+    epochs = (i for _ in itertools.count() for i in reversed(torch.randperm(n, generator=generator).tolist()))
+    return itertools.islice(epochs, start, None)
 
 
 def sampling_args(cfg: Config, pad_id: int, stop_ids, vocab=None) -> dict:  # generate()'s keyword arguments
@@ -1322,10 +1320,8 @@ def answer_batch(tokenizer, prompt_ids, answers, device):
     """A Rollout holding prompts and given answers (+ EOS), the layout sampling produces; for supervised steps."""
     ids, mask = left_pad(prompt_ids, tokenizer.pad_token_id, device)
     targets = [tokenizer(a, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for a in answers]
-    T = max(len(t) for t in targets)
-    response = torch.tensor([t + [tokenizer.pad_token_id] * (T - len(t)) for t in targets], device=device)
-    response_mask = torch.tensor([[1] * len(t) + [0] * (T - len(t)) for t in targets], device=device)
-    return Rollout(ids, mask, response, response_mask, None, None, None)
+    response = tokenizer.pad({"input_ids": targets}, padding_side="right", return_tensors="pt").to(device)
+    return Rollout(ids, mask, response["input_ids"], response["attention_mask"], None, None, None)
 
 
 @torch.no_grad()
@@ -1416,27 +1412,22 @@ def cast_parameters(model, dtype):
     return model
 
 
-def flatten_parameters(model):
-    """Make every parameter of `model` a view into one flat buffer, so a weight sync is one copy of one tensor
-    instead of one call per tensor. Returns the buffer."""
+def flatten_parameters(model):  # every parameter becomes a view of one flat buffer: a weight sync is one copy
     params = list(model.parameters())  # each tied weight once
-    if len({p.dtype for p in params}) != 1:
-        dtypes = sorted({str(p.dtype) for p in params})
-        raise SystemExit(f"the packed weight sync needs one parameter dtype, got {dtypes}")
-    flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
-    for p, view in zip(params, flat.split([p.numel() for p in params])):
-        view.copy_(p.detach().reshape(-1))
-        p.data = view.view_as(p)
+    dtypes = {str(p.dtype) for p in params}
+    if len(dtypes) != 1:
+        raise SystemExit(f"the packed weight sync needs one parameter dtype, got {sorted(dtypes)}")
+    flat = nn.utils.parameters_to_vector(params).detach()
+    nn.utils.vector_to_parameters(flat, params)  # (which makes each parameter a view of flat)
     return flat
 
 
 class WeightSync:
-    """Trainer -> sampler weights through packed buffers: publish() copies the trainer's flat fp32 weights into a
-    staging buffer of the sampler's dtype (the copy casts them; one copy, trainer's stream; sharded/FSDP2: each shard
-    all-gathered into its slice, never a full fp32 copy), pull() copies staging into the sampler's flat weights (one
-    copy, sampler's stream) at its safe points.
-    CUDA events order the copies on the two streams; the lock covers one copy (~1 ms), never a decode or an update.
-    Staging lets the trainer keep updating while the sampler still generates with the previous version."""
+    """Trainer -> sampler weights through packed buffers. publish() (trainer thread) copies the trainer's flat fp32
+    weights into a staging buffer of the sampler's dtype (the copy casts them; under FSDP2 each parameter is gathered
+    into its slice, never a full fp32 copy); pull() (sampler thread, between batches or decode steps) copies staging
+    into the sampler's flat weights. Staging lets the trainer update on while the sampler still generates with the
+    previous version; the lock covers one copy (~1 ms), never a decode or an update."""
 
     def __init__(self, policy, sampler, sharded=False):
         self.policy = policy
@@ -1445,46 +1436,38 @@ class WeightSync:
         self.staging = self.sampler_flat.clone()
         self.cuda = self.sampler_flat.is_cuda
         self.lock = threading.Condition()
-        self.version, self.sampler_version = 0, 0
+        self.version = 0  # the newest published
+        self.sampler_version = 0  # the one in the sampler's weights
         self.seconds = {"publish": 0.0, "pull": 0.0}  # each copy's last duration (fixed keys: two threads write it)
-        self.events = {}  # name -> (start, end) CUDA events of each copy, for ordering and device time
 
     @torch.no_grad()
-    def _copy(self, name: str, dst, src, after: str):  # dst <- src on the current stream, once `after` is done
-        # (src None: gather the trainer's sharded parameters into dst)
-        t0 = time.perf_counter()
-        if self.cuda:
-            if name not in self.events:
-                self.events[name] = tuple(torch.cuda.Event(enable_timing=True) for _ in range(2))
-            start, end = self.events[name]
-            if after in self.events:
-                torch.cuda.current_stream().wait_event(self.events[after][1])
-            start.record()
+    def _copy(self, name: str, dst, src):  # dst <- src on this thread's stream (src None: the sharded trainer's)
+        if self.cuda:  # (this stream's earlier work is not the copy's time)
+            torch.cuda.current_stream().synchronize()
+        start = time.perf_counter()
         if src is not None:
             dst.copy_(src)
         else:
             for p, view in zip(self.policy.parameters(), dst.split([p.numel() for p in self.policy.parameters()])):
-                view.copy_(getattr(p, "full_tensor", lambda: p)().reshape(-1))
-        if self.cuda:  # this thread waits for its own copy (~1 ms) and times it: no other thread records its events
-            end.record()
-            end.synchronize()
-        self.seconds[name] = start.elapsed_time(end) / 1e3 if self.cuda else time.perf_counter() - t0
+                view.copy_(p.full_tensor().reshape(-1))
+        if self.cuda:  # done before the lock is released, so the other thread's next copy (its stream) comes after it
+            torch.cuda.current_stream().synchronize()
+        self.seconds[name] = time.perf_counter() - start
 
     def publish(self, version: int):  # trainer thread, after the optimizer steps of an update
         with self.lock:
-            self._copy("publish", self.staging, self.trainer_flat, after="pull")  # the sampler is done reading staging
+            self._copy("publish", self.staging, self.trainer_flat)
             self.version = version
             self.lock.notify_all()
 
     def pull(self) -> int:  # sampler thread, between batches (or decode steps): take the newest version
         with self.lock:
             if self.version != self.sampler_version:
-                # sampler_flat holds every sampler parameter (flatten_parameters): this one copy updates them
-                self._copy("pull", self.sampler_flat, self.staging, after="publish")
+                self._copy("pull", self.sampler_flat, self.staging)  # every sampler parameter is a view of it
                 self.sampler_version = self.version
             return self.sampler_version
 
-    def sync_ms(self) -> float:  # the last publish's + the last pull's copy time (device time on CUDA)
+    def sync_ms(self) -> float:  # the last publish's + the last pull's copy time
         return 1e3 * sum(self.seconds.values())
 
     def wait_for(self, version: int, stop: threading.Event):  # sampler: block until `version` is published
@@ -1495,8 +1478,8 @@ class WeightSync:
 
 class Tracer:
     """Busy and waiting seconds of the trainer and the sampler thread, summed per iteration for the log line; with
-    --trace also a torch.profiler timeline of iterations 2-4 (1 warms up): both threads' spans (record_function) and
-    ops, and on CUDA the kernels of both streams; chrome://tracing or ui.perfetto.dev shows it."""
+    --trace also a torch.profiler timeline of iterations 2 and 3 (1 warms up): both threads' spans (record_function)
+    and ops, and on CUDA the kernels of both streams; chrome://tracing or ui.perfetto.dev shows it."""
 
     def __init__(self, path: str):
         self.totals = {}  # busy / wait seconds per side since the last take()
@@ -1505,7 +1488,7 @@ class Tracer:
         if path:
             self.profiler = torch.profiler.profile(
                 activities=torch.profiler.supported_activities(),  # CPU, and CUDA where there is one
-                schedule=torch.profiler.schedule(wait=1, warmup=1, active=3, repeat=1),  # a long run's trace stays small
+                schedule=torch.profiler.schedule(wait=1, warmup=1, active=2, repeat=1),  # a long run's stays small
                 on_trace_ready=lambda profiler: profiler.export_chrome_trace(path),
                 experimental_config=torch._C._profiler._ExperimentalConfig(profile_all_threads=True))  # the sampler's
             self.profiler.start()
@@ -2229,8 +2212,9 @@ def bench_sampling(cfg: Config, run) -> float:  # part (1) of --bench-rollout; r
     hf = functools.partial(sampler.generate, input_ids=ids, attention_mask=mask, do_sample=True, top_k=0, top_p=1.0,
                            temperature=cfg.temperature, max_new_tokens=T, min_new_tokens=T,
                            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-    runs = {"HF generate": hf, "plain loop": functools.partial(bench_generate, sampler, ids, mask, args)}
-    runs.update({n: functools.partial(bench_generate, d, ids, mask, args) for n, d in decoders.items()})
+    args["generator"] = torch.Generator(device)  # one for all runs: a run samples T tokens whatever they are
+    runs = {"HF generate": hf, "plain loop": functools.partial(generate, sampler, ids, mask, **args)}
+    runs.update({n: functools.partial(generate, d, ids, mask, **args) for n, d in decoders.items()})
     runs["prefill"] = functools.partial(decoder.start, ids, mask, positions(mask))
     with torch.no_grad():
         seconds = timed(runs, device)
@@ -2249,10 +2233,6 @@ def bench_sampling(cfg: Config, run) -> float:  # part (1) of --bench-rollout; r
         print(f"  decode + sampling step {step * 1e3:.3f} ms vs weights-read bound {bound * 1e3:.3f} ms: "
               f"{step / bound:.2f}x the bound")
     return seconds["HF generate"] / seconds[name]
-
-
-def bench_generate(decoder, ids, mask, args: dict):  # one timed sampling run, from a fresh generator each time
-    return generate(decoder, ids, mask, **args, generator=torch.Generator(ids.device).manual_seed(0))
 
 
 def bench_update(cfg: Config, run):  # part (2) of --bench-rollout: packed vs padded training, lengths spread 4:1
@@ -2284,7 +2264,7 @@ def bench_update(cfg: Config, run):  # part (2) of --bench-rollout: packed vs pa
         actor = Actor(actor, c.temperature, c.full_logits, run.vocab)  # as train() scores
         batch = Rollout(ids, mask, response, response_mask, torch.zeros(B, Tmax, device=device),
                         torch.zeros_like(response), torch.ones(B, dtype=torch.bool, device=device))
-        score_frozen(batch, reference, constant_scores, c)
+        score_frozen(batch, reference, lambda batch: torch.ones(B, device=device), c)  # every completion scores 1
         score_trainer(batch, actor, critic, c, orders[0])
         optimizers = make_optimizers(c, actor, critic)[:2]
         updates[layout] = functools.partial(ppo_update, actor, critic, *optimizers, batch, c, orders)
@@ -2295,10 +2275,6 @@ def bench_update(cfg: Config, run):  # part (2) of --bench-rollout: packed vs pa
           f"{budget} tokens per micro-batch:")
     for layout, s in results.items():
         print(f"  {layout:<7} {s * 1e3:9.1f} ms  {results['padded'] / s:5.2f}x")
-
-
-def constant_scores(batch: Rollout):  # a reward of 1 for every completion (the benchmark's)
-    return torch.ones(batch.response.shape[0], device=batch.response.device)
 
 
 # ----------------------------------------------------------------------------------------------------------------
