@@ -1384,7 +1384,8 @@ def demo_warmup(policy, tokenizer, train_pairs, cfg: Config):
     print(f"\nwarm-up: {step} steps in {time.time() - t0:.1f} s, sampled train accuracy {accuracy:.2f}")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     saved = {"state_dict": policy.state_dict(), "steps": step, "accuracy": accuracy}
-    atomic_write(path, functools.partial(torch.save, saved))  # a killed run never leaves half a cache entry
+    torch.save(saved, path + ".tmp")
+    os.replace(path + ".tmp", path)  # a killed run never leaves half a cache entry
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1878,8 +1879,8 @@ def finish_training(t: Training):  # the end of a run: the policy as an HF model
 
 
 class Logger:
-    """metrics.jsonl (one JSON object per line, flushed each time) and, only with --wandb-project, wandb. Under
-    torchrun only rank 0's logger writes (enabled); the others' are no-ops, so the loop calls log() unconditionally."""
+    """metrics.jsonl (a JSON object a line, flushed each time) and, with --wandb-project, wandb. Under torchrun only
+    rank 0's writes (enabled); the others' are no-ops, so the loop calls log() unconditionally."""
 
     def __init__(self, cfg: Config, output_dir: str, enabled=True):
         self.file = open(os.path.join(output_dir, "metrics.jsonl") if enabled else os.devnull, "a", encoding="utf-8")
@@ -1916,16 +1917,10 @@ def prepare_output_dir(cfg: Config, ctx: Dist) -> str:  # rank 0 decides (and da
     return path
 
 
-def atomic_write(path: str, data):
-    """data (a str, or a function that writes a file at the path it is given) into path through a temporary file and
-    a rename, so a crash never leaves half a file: config.json, metrics.jsonl on resume, the demo's warm-up cache."""
-    tmp = path + ".tmp"
-    if callable(data):
-        data(tmp)
-    else:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(data)
-    os.replace(tmp, path)
+def atomic_write(path: str, text: str):  # through a temporary file and a rename: a crash never leaves half a file
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
 
 
 def write_json(obj, path: str):
@@ -2014,8 +2009,8 @@ def load_checkpoint(path: str, actor, critic, optimizers, schedules, ctx: Dist =
 
 
 def restore_metrics(output_dir: str, step: int):
-    """On resume: keep metrics.jsonl's records up to the checkpoint's step. Records a crashed run logged after its
-    checkpoint (and a half-written last line) are dropped, and counted. Returns the kept iteration records."""
+    """On resume: metrics.jsonl keeps its records up to the checkpoint's step (those a crashed run logged later, and a
+    half-written last line, are dropped and counted). Returns the kept iteration records."""
     path = os.path.join(output_dir, "metrics.jsonl")
     records = []
     for line in open(path, encoding="utf-8") if os.path.exists(path) else []:
