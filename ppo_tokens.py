@@ -1491,7 +1491,8 @@ class Tracer:
                 activities=torch.profiler.supported_activities(),  # CPU, and CUDA where there is one
                 schedule=torch.profiler.schedule(wait=1, warmup=1, active=2, repeat=1),  # a long run's stays small
                 on_trace_ready=lambda profiler: profiler.export_chrome_trace(path),
-                experimental_config=torch._C._profiler._ExperimentalConfig(profile_all_threads=True))  # the sampler's
+                # every thread: the sampler thread's spans too (by default the profiler sees only the one starting it)
+                experimental_config=torch.profiler._ExperimentalConfig(profile_all_threads=True))
             self.profiler.start()
 
     @contextlib.contextmanager
@@ -1871,7 +1872,16 @@ def finish_training(t: Training):  # the end of a run: the policy as an HF model
     policy_state = full_policy_state(t.actor)  # a collective under FSDP2
     if t.ctx.rank == 0:
         save_policy(t.run.policy, t.run.tokenizer, os.path.join(t.output_dir, "policy"), policy_state)
-    summarize(t.history, t.first_accuracy, t.output_dir)
+    history = t.history
+    tenth = max(1, len(history) // 10)
+    first, last = (sum(r["reward_mean"] for r in rs) / max(1, len(rs)) for rs in (history[:tenth], history[-tenth:]))
+    accuracies = [r["eval_accuracy"] for r in history if "eval_accuracy" in r]
+    print(f"\ndone: {len(history)} iterations in {history[-1]['time_s'] if history else 0:.0f} s; reward mean "
+          f"{first:.3f} (first tenth) -> {last:.3f} (last tenth)")
+    if t.first_accuracy is not None and accuracies:
+        print(f"held-out sampled accuracy: {t.first_accuracy:.3f} before PPO -> {accuracies[-1]:.3f} after")
+    print(f"policy saved to {os.path.join(t.output_dir, 'policy')}; metrics in "
+          f"{os.path.join(t.output_dir, 'metrics.jsonl')}")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -2099,18 +2109,6 @@ def reduce_record(record: dict, world: int) -> dict:  # the logged scalars over 
         for k, v in zip(keys, values.tolist()):
             record[k] = v if op == "max" or k in SUMMED_METRICS else v / world
     return record
-
-
-def summarize(history, first_accuracy, output_dir: str):
-    tenth = max(1, len(history) // 10)
-    first, last = (sum(r["reward_mean"] for r in rs) / max(1, len(rs)) for rs in (history[:tenth], history[-tenth:]))
-    accuracies = [r["eval_accuracy"] for r in history if "eval_accuracy" in r]
-    print(f"\ndone: {len(history)} iterations in {history[-1]['time_s'] if history else 0:.0f} s; reward mean "
-          f"{first:.3f} (first tenth) -> {last:.3f} (last tenth)")
-    if first_accuracy is not None and accuracies:
-        print(f"held-out sampled accuracy: {first_accuracy:.3f} before PPO -> {accuracies[-1]:.3f} after")
-    print(f"policy saved to {os.path.join(output_dir, 'policy')}; metrics in "
-          f"{os.path.join(output_dir, 'metrics.jsonl')}")
 
 
 # ----------------------------------------------------------------------------------------------------------------

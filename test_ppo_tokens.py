@@ -1458,8 +1458,8 @@ def torchrun(args, cwd, nproc=2, timeout=300, check=True):
 
 
 def digest_script(cwd):
-    """A script that runs ppo_tokens.py's main() and, at the end of the run, prints every rank's sha256 of the weights it
-    last published (gathered by rank 0): ranks that train data-parallel must agree to the bit."""
+    """A script that runs ppo_tokens.py's main() and, at the end of the run, prints every rank's sha256 of the weights
+    it last published (gathered by rank 0): ranks that train data-parallel must agree to the bit."""
     (cwd / "train_and_digest.py").write_text(
         f"import hashlib, sys, torch\nsys.path.insert(0, {HERE!r})\nimport ppo_tokens\n"
         "finish_training = ppo_tokens.finish_training\n"
