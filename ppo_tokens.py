@@ -1325,13 +1325,11 @@ def left_pad(seqs, pad_id: int, device):
 
 
 def prompt_order(n: int, seed: int, start: int = 0):
-    """Endless epochs over n prompts (their indices), each epoch in a fresh random order from its own generator;
-    start: skip that many (a resumed run continues the same order where its checkpoint left it)."""
-    def epochs():
-        generator = torch.Generator().manual_seed(seed)
-        while True:
-            yield from reversed(torch.randperm(n, generator=generator).tolist())
-    return itertools.islice(epochs(), start, None)
+    """Endless epochs over n prompt indices, each in a fresh random order; start: skip that many (a resumed run
+    continues the order where its checkpoint left it)."""
+    generator = torch.Generator().manual_seed(seed)
+    epochs = (i for _ in itertools.count() for i in reversed(torch.randperm(n, generator=generator).tolist()))
+    return itertools.islice(epochs, start, None)
 
 
 def sampling_args(cfg: Config, pad_id: int, stop_ids, vocab=None) -> dict:  # generate()'s keyword arguments
@@ -1403,10 +1401,8 @@ def answer_batch(tokenizer, prompt_ids, answers, device):
     """A Rollout holding prompts and given answers (+ EOS), the layout sampling produces; for supervised steps."""
     ids, mask = left_pad(prompt_ids, tokenizer.pad_token_id, device)
     targets = [tokenizer(a, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for a in answers]
-    T = max(len(t) for t in targets)
-    response = torch.tensor([t + [tokenizer.pad_token_id] * (T - len(t)) for t in targets], device=device)
-    response_mask = torch.tensor([[1] * len(t) + [0] * (T - len(t)) for t in targets], device=device)
-    return Rollout(ids, mask, response, response_mask, None, None, None)
+    response = tokenizer.pad({"input_ids": targets}, padding_side="right", return_tensors="pt").to(device)
+    return Rollout(ids, mask, response["input_ids"], response["attention_mask"], None, None, None)
 
 
 @torch.no_grad()
@@ -1469,7 +1465,8 @@ def demo_warmup(policy, tokenizer, train_pairs, cfg: Config):
     print(f"\nwarm-up: {step} steps in {time.time() - t0:.1f} s, sampled train accuracy {accuracy:.2f}")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     saved = {"state_dict": policy.state_dict(), "steps": step, "accuracy": accuracy}
-    atomic_write(path, functools.partial(torch.save, saved))  # a killed run never leaves half a cache entry
+    torch.save(saved, path + ".tmp")
+    os.replace(path + ".tmp", path)  # a killed run never leaves half a cache entry
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1497,27 +1494,22 @@ def cast_parameters(model, dtype):
     return model
 
 
-def flatten_parameters(model):
-    """Make every parameter of `model` a view into one flat buffer, so a weight sync is one copy of one tensor
-    instead of one call per tensor. Returns the buffer."""
+def flatten_parameters(model):  # every parameter becomes a view of one flat buffer: a weight sync is one copy
     params = list(model.parameters())  # each tied weight once
-    if len({p.dtype for p in params}) != 1:
-        dtypes = sorted({str(p.dtype) for p in params})
-        raise SystemExit(f"the packed weight sync needs one parameter dtype, got {dtypes}")
-    flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
-    for p, view in zip(params, flat.split([p.numel() for p in params])):
-        view.copy_(p.detach().reshape(-1))
-        p.data = view.view_as(p)
+    dtypes = {str(p.dtype) for p in params}
+    if len(dtypes) != 1:
+        raise SystemExit(f"the packed weight sync needs one parameter dtype, got {sorted(dtypes)}")
+    flat = nn.utils.parameters_to_vector(params).detach()
+    nn.utils.vector_to_parameters(flat, params)  # (which makes each parameter a view of flat)
     return flat
 
 
 class WeightSync:
-    """Trainer -> sampler weights through packed buffers: publish() copies the trainer's flat fp32 weights into a
-    staging buffer of the sampler's dtype (the copy casts them; one copy, trainer's stream; sharded/FSDP2: each shard
-    all-gathered into its slice, never a full fp32 copy), pull() copies staging into the sampler's flat weights (one
-    copy, sampler's stream) at its safe points.
-    CUDA events order the copies on the two streams; the lock covers one copy (~1 ms), never a decode or an update.
-    Staging lets the trainer keep updating while the sampler still generates with the previous version."""
+    """Trainer -> sampler weights through packed buffers. publish() (trainer thread) copies the trainer's flat fp32
+    weights into a staging buffer of the sampler's dtype (the copy casts them; under FSDP2 each parameter is gathered
+    into its slice, never a full fp32 copy); pull() (sampler thread, between batches or decode steps) copies staging
+    into the sampler's flat weights. Staging lets the trainer update on while the sampler still generates with the
+    previous version; the lock covers one copy (~1 ms), never a decode or an update."""
 
     def __init__(self, policy, sampler, sharded=False):
         self.policy = policy
@@ -1526,46 +1518,38 @@ class WeightSync:
         self.staging = self.sampler_flat.clone()
         self.cuda = self.sampler_flat.is_cuda
         self.lock = threading.Condition()
-        self.version, self.sampler_version = 0, 0
+        self.version = 0  # the newest published
+        self.sampler_version = 0  # the one in the sampler's weights
         self.seconds = {"publish": 0.0, "pull": 0.0}  # each copy's last duration (fixed keys: two threads write it)
-        self.events = {}  # name -> (start, end) CUDA events of each copy, for ordering and device time
 
     @torch.no_grad()
-    def _copy(self, name: str, dst, src, after: str):  # dst <- src on the current stream, once `after` is done
-        # (src None: gather the trainer's sharded parameters into dst)
-        t0 = time.perf_counter()
-        if self.cuda:
-            if name not in self.events:
-                self.events[name] = tuple(torch.cuda.Event(enable_timing=True) for _ in range(2))
-            start, end = self.events[name]
-            if after in self.events:
-                torch.cuda.current_stream().wait_event(self.events[after][1])
-            start.record()
+    def _copy(self, name: str, dst, src):  # dst <- src on this thread's stream (src None: the sharded trainer's)
+        if self.cuda:  # (this stream's earlier work is not the copy's time)
+            torch.cuda.current_stream().synchronize()
+        start = time.perf_counter()
         if src is not None:
             dst.copy_(src)
         else:
             for p, view in zip(self.policy.parameters(), dst.split([p.numel() for p in self.policy.parameters()])):
-                view.copy_(getattr(p, "full_tensor", lambda: p)().reshape(-1))
-        if self.cuda:  # this thread waits for its own copy (~1 ms) and times it: no other thread records its events
-            end.record()
-            end.synchronize()
-        self.seconds[name] = start.elapsed_time(end) / 1e3 if self.cuda else time.perf_counter() - t0
+                view.copy_(p.full_tensor().reshape(-1))
+        if self.cuda:  # done before the lock is released, so the other thread's next copy (its stream) comes after it
+            torch.cuda.current_stream().synchronize()
+        self.seconds[name] = time.perf_counter() - start
 
     def publish(self, version: int):  # trainer thread, after the optimizer steps of an update
         with self.lock:
-            self._copy("publish", self.staging, self.trainer_flat, after="pull")  # the sampler is done reading staging
+            self._copy("publish", self.staging, self.trainer_flat)
             self.version = version
             self.lock.notify_all()
 
     def pull(self) -> int:  # sampler thread, between batches (or decode steps): take the newest version
         with self.lock:
             if self.version != self.sampler_version:
-                # sampler_flat holds every sampler parameter (flatten_parameters): this one copy updates them
-                self._copy("pull", self.sampler_flat, self.staging, after="publish")
+                self._copy("pull", self.sampler_flat, self.staging)  # every sampler parameter is a view of it
                 self.sampler_version = self.version
             return self.sampler_version
 
-    def sync_ms(self) -> float:  # the last publish's + the last pull's copy time (device time on CUDA)
+    def sync_ms(self) -> float:  # the last publish's + the last pull's copy time
         return 1e3 * sum(self.seconds.values())
 
     def wait_for(self, version: int, stop: threading.Event):  # sampler: block until `version` is published
@@ -1575,39 +1559,44 @@ class WeightSync:
 
 
 class Tracer:
-    """Busy and waiting spans of both sides: summed per iteration for the log, and with --trace a Chrome trace."""
+    """Busy and waiting seconds of the trainer and the sampler thread, summed per iteration for the log line; with
+    --trace also a torch.profiler timeline of iterations 2 and 3 (1 warms up): both threads' spans (record_function)
+    and ops, and on CUDA the kernels of both streams; chrome://tracing or ui.perfetto.dev shows it."""
 
     def __init__(self, path: str):
-        self.path = path
-        self.events = []  # Chrome trace events (with --trace)
         self.totals = {}  # busy / wait seconds per side since the last take()
-        self.t0 = time.perf_counter()
         self.lock = threading.Lock()
+        self.profiler = None
+        if path:
+            self.profiler = torch.profiler.profile(
+                activities=torch.profiler.supported_activities(),  # CPU, and CUDA where there is one
+                schedule=torch.profiler.schedule(wait=1, warmup=1, active=2, repeat=1),  # a long run's stays small
+                on_trace_ready=lambda profiler: profiler.export_chrome_trace(path),
+                # every thread: the sampler thread's spans too (by default the profiler sees only the one starting it)
+                experimental_config=torch.profiler._ExperimentalConfig(profile_all_threads=True))
+            self.profiler.start()
 
     @contextlib.contextmanager
     def span(self, name: str, side: str):  # side: "trainer" or "sampler"; names "wait..." count as waiting
         start = time.perf_counter()
         try:
-            yield
+            with torch.profiler.record_function(name):
+                yield
         finally:
-            end = time.perf_counter()
             key = f"{side}_{'wait' if name.startswith('wait') else 'busy'}_s"
             with self.lock:
-                self.totals[key] = self.totals.get(key, 0.0) + end - start
-                if self.path:
-                    self.events.append({"name": name, "ph": "X", "pid": 0, "tid": 1 if side == "trainer" else 2,
-                                        "ts": 1e6 * (start - self.t0), "dur": 1e6 * (end - start)})
+                self.totals[key] = self.totals.get(key, 0.0) + time.perf_counter() - start
 
-    def take(self) -> dict:  # the totals since the last take
+    def take(self) -> dict:  # the totals since the last take, once per iteration (the profiler's step)
+        if self.profiler is not None:
+            self.profiler.step()
         with self.lock:
             totals, self.totals = self.totals, {}
         return totals
 
-    def write(self):
-        names = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": t, "args": {"name": n}}
-                 for t, n in ((1, "trainer"), (2, "sampler"))]
-        if self.path:
-            write_json({"traceEvents": names + self.events, "displayTimeUnit": "ms"}, self.path)
+    def write(self):  # the end of the run: the trace of what the schedule recorded so far
+        if self.profiler is not None:
+            self.profiler.stop()
 
 
 class Producer:
@@ -1898,12 +1887,34 @@ def log_iteration(t: Training, step: int, batch: Rollout, kl, stats: dict, lr: f
             print(f"    {p!r} -> {c!r}  (score {s:.2f})")
 
 
-def save_training(t: Training, step: int, batch: Rollout):  # a checkpoint after iteration `step`, on every rank
-    state = {"step": step, "first_accuracy": t.first_accuracy, "time_s": time.time() - t.run_start,
-             "shuffle_rng": t.shuffle_generator.get_state(), "schedules": [s.state_dict() for s in t.schedules]}
-    t.last_checkpoint = save_checkpoint(t.output_dir, step, t.actor, t.critic, t.optimizers, t.run.tokenizer, state,
-                                        {"sampler_rng": batch.sampler_rng}, t.cfg, t.ctx)
-    print(f"checkpoint: {t.last_checkpoint}", flush=True)
+def save_training(t: Training, step: int, batch: Rollout):
+    """checkpoints/step-N/ on every rank: config.json, policy/ (an HF model, usable as --model) and, through
+    torch.distributed.checkpoint (DCP), the actor, critic, optimizers, schedules, generators and every rank's RNGs (each
+    rank writes its own shards: FSDP2 is not gathered). DCP writes its .metadata last, and a directory counts as a
+    checkpoint only once it has one, so a kill at any moment leaves the older checkpoints whole."""
+    import warnings
+    import torch.distributed.checkpoint as dcp
+    path = os.path.join(t.output_dir, "checkpoints", f"step-{step:08d}")
+    policy_state = full_policy_state(t.actor)  # a collective under FSDP2
+    if t.ctx.rank == 0:  # (over a half-written directory of a killed run: it has no .metadata)
+        save_policy(t.run.policy, t.run.tokenizer, os.path.join(path, "policy"), policy_state)
+        write_json(dataclasses.asdict(t.cfg), os.path.join(path, "config.json"))
+        for directory, _, files in os.walk(path):  # on disk before the .metadata (DCP fsyncs its own files)
+            for name in files:
+                with open(os.path.join(directory, name), "rb") as f:
+                    os.fsync(f.fileno())
+    state = checkpoint_state(t.actor, t.critic, t.optimizers, t.schedules, t.ctx, batch.sampler_rng,
+                             t.shuffle_generator, step=step, first_accuracy=t.first_accuracy,
+                             time_s=time.time() - t.run_start)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")  # (a single process saves alone)
+        dcp.save(state, checkpoint_id=path)
+    if t.ctx.rank == 0:
+        for old in checkpoints(t.output_dir)[:-t.cfg.keep_checkpoints]:
+            os.remove(os.path.join(old, ".metadata"))  # first: a half-deleted checkpoint must not look whole
+            shutil.rmtree(old)
+    t.last_checkpoint = path
+    print(f"checkpoint: {path}", flush=True)
 
 
 class StopSignal:
@@ -1938,22 +1949,20 @@ def stop_after(t: Training, step: int, batch: Rollout, stop: StopSignal) -> list
     return t.history
 
 
-def finish_training(t: Training):
-    """The end of a run: the policy saved as an HF model (output_dir/policy); under torchrun a bit-for-bit check that
-    every rank holds the same weights (sha256 of the published weights); the summary."""
-    policy_state = {k.removeprefix("policy."): v for k, v in full_state(t.actor).items()}
+def finish_training(t: Training):  # the end of a run: the policy as an HF model (output_dir/policy), the summary
+    policy_state = full_policy_state(t.actor)  # a collective under FSDP2
     if t.ctx.rank == 0:
         save_policy(t.run.policy, t.run.tokenizer, os.path.join(t.output_dir, "policy"), policy_state)
-    if torch.distributed.is_initialized():
-        digest = hashlib.sha256()
-        for chunk in t.sync.staging.split(1 << 26):  # 64M values at a time: no full host copy, no cast
-            digest.update(chunk.view(torch.uint8).cpu().numpy().tobytes())
-        digests = [None] * t.ctx.world
-        torch.distributed.all_gather_object(digests, digest.hexdigest()[:16])
-        print(f"actor weights (sha256 of the gathered weights) on each rank: {' '.join(digests)}")
-        if len(set(digests)) > 1:
-            raise SystemExit(f"the ranks' actor weights differ ({digests}); the data-parallel update is broken")
-    summarize(t.history, t.first_accuracy, t.output_dir)
+    history = t.history
+    tenth = max(1, len(history) // 10)
+    first, last = (sum(r["reward_mean"] for r in rs) / max(1, len(rs)) for rs in (history[:tenth], history[-tenth:]))
+    accuracies = [r["eval_accuracy"] for r in history if "eval_accuracy" in r]
+    print(f"\ndone: {len(history)} iterations in {history[-1]['time_s'] if history else 0:.0f} s; reward mean "
+          f"{first:.3f} (first tenth) -> {last:.3f} (last tenth)")
+    if t.first_accuracy is not None and accuracies:
+        print(f"held-out sampled accuracy: {t.first_accuracy:.3f} before PPO -> {accuracies[-1]:.3f} after")
+    print(f"policy saved to {os.path.join(t.output_dir, 'policy')}; metrics in "
+          f"{os.path.join(t.output_dir, 'metrics.jsonl')}")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1961,8 +1970,8 @@ def finish_training(t: Training):
 
 
 class Logger:
-    """metrics.jsonl (one JSON object per line, flushed each time) and, only with --wandb-project, wandb. Under
-    torchrun only rank 0's logger writes (enabled); the others' are no-ops, so the loop calls log() unconditionally."""
+    """metrics.jsonl (a JSON object a line, flushed each time) and, with --wandb-project, wandb. Under torchrun only
+    rank 0's writes (enabled); the others' are no-ops, so the loop calls log() unconditionally."""
 
     def __init__(self, cfg: Config, output_dir: str, enabled=True):
         self.file = open(os.path.join(output_dir, "metrics.jsonl") if enabled else os.devnull, "a", encoding="utf-8")
@@ -1999,143 +2008,90 @@ def prepare_output_dir(cfg: Config, ctx: Dist) -> str:  # rank 0 decides (and da
     return path
 
 
-def atomic_write(path: str, data):
-    """data (a str, or a function that writes a file at the path it is given) into path through a temporary file and
-    a rename, so a crash never leaves half a file: config.json, metrics.jsonl on resume, the demo's warm-up cache."""
-    tmp = path + ".tmp"
-    if callable(data):
-        data(tmp)
-    else:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(data)
-    os.replace(tmp, path)
+def atomic_write(path: str, text: str):  # through a temporary file and a rename: a crash never leaves half a file
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
 
 
 def write_json(obj, path: str):
     atomic_write(path, json.dumps(obj, indent=2))
 
 
-def full_state(model, optimizer=None):
-    """The model's (with an optimizer: the optimizer's) state with every tensor whole, on the CPU: gathered from the
-    shards under FSDP2 (a collective: every rank calls it, rank 0 receives it), without DDP's "module." prefix."""
-    from torch.distributed.checkpoint import state_dict as dcp
-    options = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)
-    if optimizer is None:
-        return dcp.get_model_state_dict(model, options=options)
-    return dcp.get_optimizer_state_dict(model, optimizer, options=options)
+def full_policy_state(actor) -> dict:
+    """The policy's weights whole, on the CPU, without the "module." / "policy." prefixes of DDP and Actor: under
+    FSDP2 gathered from the shards (a collective: every rank calls it, rank 0 receives them)."""
+    from torch.distributed.checkpoint import state_dict as dcp_state
+    options = dcp_state.StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return {k.removeprefix("policy."): v for k, v in dcp_state.get_model_state_dict(actor, options=options).items()}
 
 
-def load_full_state(model, state: dict, optimizer=None):  # the inverse; under torchrun rank 0 reads, the others receive
-    from torch.distributed.checkpoint import state_dict as dcp
-    options = dcp.StateDictOptions(full_state_dict=True, broadcast_from_rank0=torch.distributed.is_initialized())
-    if optimizer is None:
-        return dcp.set_model_state_dict(model, state, options=options)
-    dcp.set_optimizer_state_dict(model, optimizer, state, options=options)
-
-
-def save_policy(policy, tokenizer, path: str, state_dict: dict):
-    """save_pretrained(state_dict) + tokenizer into path, written beside it first and renamed into place."""
+def save_policy(policy, tokenizer, path: str, state_dict: dict):  # save_pretrained of these weights + the tokenizer
     from transformers.utils import logging
     logging.disable_progress_bar()  # no "Writing model shards" bar at every checkpoint
-    tmp = path + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
     # cloned: the trainer's parameters are views into one flat buffer, which safetensors would see as shared memory
-    policy.save_pretrained(tmp, state_dict={k: v.detach().clone() for k, v in state_dict.items()})
-    tokenizer.save_pretrained(tmp)
-    shutil.rmtree(path, ignore_errors=True)
-    os.replace(tmp, path)
+    policy.save_pretrained(path, state_dict={k: v.detach().clone() for k, v in state_dict.items()})
+    tokenizer.save_pretrained(path)
 
 
-def checkpoints(run_dir: str):  # the whole checkpoints of a run (renamed into place), oldest first
+def checkpoints(run_dir: str):  # the whole checkpoints of a run (those with DCP's .metadata), oldest first
     root = os.path.join(run_dir, "checkpoints")
-    if not os.path.isdir(root):
-        return []
-    return [os.path.join(root, n) for n in sorted(os.listdir(root)) if n.startswith("step-")]
+    names = sorted(os.listdir(root)) if os.path.isdir(root) else []
+    return [os.path.join(root, n) for n in names if n.startswith("step-") and
+            os.path.isfile(os.path.join(root, n, ".metadata"))]
 
 
 def find_checkpoint(path: str) -> str:  # --resume PATH: a checkpoint directory, or a run directory's newest one
     if not path:
         raise ValueError("--resume needs --output-dir DIR (the run to continue), or --resume PATH")
     path = os.path.abspath(path)  # (a trailing slash or a relative path must not move the run's directory)
-    if os.path.isfile(os.path.join(path, "trainer_state.pt")):
+    if os.path.isfile(os.path.join(path, ".metadata")):
         return path
     found = checkpoints(path)
     if not found:
-        raise ValueError(f"--resume: no whole checkpoint in {path} (looked for {path}/checkpoints/step-*)")
+        raise ValueError(f"--resume: no whole checkpoint in {path} (looked for {path}/checkpoints/step-*/.metadata)")
     return found[-1]
 
 
-def save_checkpoint(output_dir: str, step: int, actor, critic, optimizers, tokenizer, state: dict, rank_state: dict,
-                    cfg: Config, ctx: Dist) -> str:
-    """checkpoints/step-N/: policy/ (an HF model, usable as --model), critic, optimizers, schedules, every rank's RNGs,
-    config. Every rank calls it (gathering is collective); rank 0 writes a hidden temporary directory, fsyncs it and
-    renames it into place, so a kill at any moment leaves the older checkpoints whole."""
-    root = os.path.join(output_dir, "checkpoints")
-    final, tmp = os.path.join(root, f"step-{step:08d}"), os.path.join(root, f".tmp-step-{step:08d}")
-    policy_state = {k.removeprefix("policy."): v for k, v in full_state(actor).items()}
-    critic_state = full_state(critic) if critic is not None else None  # (grpo / rloo: no critic)
-    optimizer_states = [full_state(m, o) for m, o in zip((actor, critic), optimizers) if m is not None]
-    rank_state = {**rank_state, "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
-                  "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
-    ranks = [rank_state] * ctx.world
-    if torch.distributed.is_initialized():
-        torch.distributed.all_gather_object(ranks, rank_state)
-    if ctx.rank > 0:
-        return final
-    shutil.rmtree(tmp, ignore_errors=True)
-    save_policy(getattr(actor, "module", actor).policy, tokenizer, os.path.join(tmp, "policy"), policy_state)
-    if critic_state is not None:
-        torch.save(critic_state, os.path.join(tmp, "critic.pt"))
-    torch.save({**state, "optimizers": optimizer_states, "ranks": ranks}, os.path.join(tmp, "trainer_state.pt"))
-    write_json(dataclasses.asdict(cfg), os.path.join(tmp, "config.json"))
-    for directory, _, files in os.walk(tmp):  # on disk, names included, before the rename makes the checkpoint count
-        for name in files:
-            with open(os.path.join(directory, name), "rb") as f:
-                os.fsync(f.fileno())
-        fsync_directory(directory)
-    if os.environ.get("PPO_TOKENS_TEST_KILL_AT_CHECKPOINT") == str(step):  # test hook: die between write and rename
-        os.kill(os.getpid(), signal.SIGKILL)
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    fsync_directory(root)  # the rename itself on disk
-    for old in checkpoints(output_dir)[:-cfg.keep_checkpoints]:
-        shutil.rmtree(old)
-    return final
-
-
-def fsync_directory(path: str):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def checkpoint_state(actor, critic, optimizers, schedules, ctx: Dist, sampler_rng, shuffle_generator, **loop) -> dict:
+    """What a checkpoint holds, as DCP saves it, and (with placeholders of the same shapes) loads it in place: the
+    models' and optimizers' state dicts (sharded under FSDP2), the schedules, the shuffling generator, loop (step, ...)
+    and this rank's RNG states under its own key (sampler_rng: the sampling generator's state after the batch)."""
+    from torch.distributed.checkpoint import state_dict as dcp_state
+    rngs = {"sampler_rng": sampler_rng, "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
+            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+    state = {**loop, "schedules": [s.state_dict() for s in schedules], "shuffle_rng": shuffle_generator.get_state(),
+             f"rank{ctx.rank}": rngs}
+    for name, model, optimizer in zip(("actor", "critic"), (actor, critic), optimizers):
+        if model is not None:  # (grpo / rloo: no critic)
+            state[name], state[f"{name}_optimizer"] = dcp_state.get_state_dict(model, optimizer)
+    return state
 
 
 def load_checkpoint(path: str, actor, critic, optimizers, schedules, ctx: Dist = Dist()) -> dict:
-    """Load save_checkpoint's files in place (the policy's parameters stay views of the packed buffer; rank 0 reads,
-    the others receive) and restore this rank's RNGs. Returns the trainer state with this rank's generator states."""
-    policy_state, critic_state, state = {}, {}, {}
-    if ctx.rank == 0:
-        from transformers import AutoModelForCausalLM
-        saved = AutoModelForCausalLM.from_pretrained(os.path.join(path, "policy"), dtype=torch.float32)
-        policy_state = {f"policy.{k}": v for k, v in saved.state_dict().items()}
-        if critic is not None:
-            critic_state = torch.load(os.path.join(path, "critic.pt"), map_location="cpu")
-        state = torch.load(os.path.join(path, "trainer_state.pt"), map_location="cpu")
-    models = [(m, o) for m, o in zip((actor, critic), optimizers) if m is not None]  # (no critic: grpo / rloo)
-    for (model, optimizer), saved in zip(models, state.get("optimizers", [{}] * len(models))):
-        load_full_state(model, policy_state if model is actor else critic_state)
-        load_full_state(model, saved, optimizer)
-    if torch.distributed.is_initialized():
-        shared = [{k: v for k, v in state.items() if k != "optimizers"}]
-        torch.distributed.broadcast_object_list(shared, src=0)
-        state = shared[0]
-    if len(state["ranks"]) != ctx.world:
-        raise SystemExit(f"--resume {path}: written by {len(state['ranks'])} ranks; resume with as many "
-                         f"(torchrun --nproc_per_node), not {ctx.world}")
+    """Load a checkpoint in place (the policy's parameters stay views of the packed buffer) and restore this rank's
+    RNGs. Returns the loop state (step, first_accuracy, time_s) with the generator states."""
+    import warnings
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import state_dict as dcp_state
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    world = len({k.split(".")[0] for k in saved if k.startswith("rank")})
+    if world != ctx.world:
+        raise SystemExit(f"--resume {path}: written by {world} ranks; resume with as many (torchrun "
+                         f"--nproc_per_node), not {ctx.world}")
+    device = next(actor.parameters()).device
+    state = checkpoint_state(actor, critic, optimizers, schedules, ctx, torch.Generator(device).get_state(),
+                             torch.Generator(), step=0, first_accuracy=None, time_s=0.0)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")  # (a single process loads alone)
+        dcp.load(state, checkpoint_id=path)
+    for name, model, optimizer in zip(("actor", "critic"), (actor, critic), optimizers):
+        if model is not None:
+            dcp_state.set_state_dict(model, optimizer, model_state_dict=state[name],
+                                     optim_state_dict=state[f"{name}_optimizer"])
     for schedule, saved in zip(schedules, state["schedules"]):
         schedule.load_state_dict(saved)
-    mine = state["ranks"][ctx.rank]
+    mine = state[f"rank{ctx.rank}"]
     torch.set_rng_state(mine["torch_rng"])
     random.setstate(mine["python_rng"])
     if mine["cuda_rng"] and torch.cuda.is_available():
@@ -2144,8 +2100,8 @@ def load_checkpoint(path: str, actor, critic, optimizers, schedules, ctx: Dist =
 
 
 def restore_metrics(output_dir: str, step: int):
-    """On resume: keep metrics.jsonl's records up to the checkpoint's step. Records a crashed run logged after its
-    checkpoint (and a half-written last line) are dropped, and counted. Returns the kept iteration records."""
+    """On resume: metrics.jsonl keeps its records up to the checkpoint's step (those a crashed run logged later, and a
+    half-written last line, are dropped and counted). Returns the kept iteration records."""
     path = os.path.join(output_dir, "metrics.jsonl")
     records = []
     for line in open(path, encoding="utf-8") if os.path.exists(path) else []:
@@ -2234,18 +2190,6 @@ def reduce_record(record: dict, world: int) -> dict:  # the logged scalars over 
         for k, v in zip(keys, values.tolist()):
             record[k] = v if op == "max" or k in SUMMED_METRICS else v / world
     return record
-
-
-def summarize(history, first_accuracy, output_dir: str):
-    tenth = max(1, len(history) // 10)
-    first, last = (sum(r["reward_mean"] for r in rs) / max(1, len(rs)) for rs in (history[:tenth], history[-tenth:]))
-    accuracies = [r["eval_accuracy"] for r in history if "eval_accuracy" in r]
-    print(f"\ndone: {len(history)} iterations in {history[-1]['time_s'] if history else 0:.0f} s; reward mean "
-          f"{first:.3f} (first tenth) -> {last:.3f} (last tenth)")
-    if first_accuracy is not None and accuracies:
-        print(f"held-out sampled accuracy: {first_accuracy:.3f} before PPO -> {accuracies[-1]:.3f} after")
-    print(f"policy saved to {os.path.join(output_dir, 'policy')}; metrics in "
-          f"{os.path.join(output_dir, 'metrics.jsonl')}")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -2342,8 +2286,9 @@ def bench_sampling(cfg: Config, run) -> float:  # part (1) of --bench-rollout; r
     hf = functools.partial(sampler.generate, input_ids=ids, attention_mask=mask, do_sample=True, top_k=0, top_p=1.0,
                            temperature=cfg.temperature, max_new_tokens=T, min_new_tokens=T,
                            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-    runs = {"HF generate": hf, "plain loop": functools.partial(bench_generate, sampler, ids, mask, args)}
-    runs.update({n: functools.partial(bench_generate, d, ids, mask, args) for n, d in decoders.items()})
+    args["generator"] = torch.Generator(device)  # one for all runs: a run samples T tokens whatever they are
+    runs = {"HF generate": hf, "plain loop": functools.partial(generate, sampler, ids, mask, **args)}
+    runs.update({n: functools.partial(generate, d, ids, mask, **args) for n, d in decoders.items()})
     runs["prefill"] = functools.partial(decoder.start, ids, mask, positions(mask))
     with torch.no_grad():
         seconds = timed(runs, device)
@@ -2362,10 +2307,6 @@ def bench_sampling(cfg: Config, run) -> float:  # part (1) of --bench-rollout; r
         print(f"  decode + sampling step {step * 1e3:.3f} ms vs weights-read bound {bound * 1e3:.3f} ms: "
               f"{step / bound:.2f}x the bound")
     return seconds["HF generate"] / seconds[name]
-
-
-def bench_generate(decoder, ids, mask, args: dict):  # one timed sampling run, from a fresh generator each time
-    return generate(decoder, ids, mask, **args, generator=torch.Generator(ids.device).manual_seed(0))
 
 
 def bench_update(cfg: Config, run):  # part (2) of --bench-rollout: packed vs padded training, lengths spread 4:1
@@ -2397,7 +2338,7 @@ def bench_update(cfg: Config, run):  # part (2) of --bench-rollout: packed vs pa
         actor = Actor(actor, c.temperature, c.full_logits, run.vocab)  # as train() scores
         batch = Rollout(ids, mask, response, response_mask, torch.zeros(B, Tmax, device=device),
                         torch.zeros_like(response), torch.ones(B, dtype=torch.bool, device=device))
-        score_frozen(batch, reference, constant_scores, c)
+        score_frozen(batch, reference, lambda batch: torch.ones(B, device=device), c)  # every completion scores 1
         score_trainer(batch, actor, critic, c, orders[0])
         optimizers = make_optimizers(c, actor, critic)[:2]
         updates[layout] = functools.partial(ppo_update, actor, critic, *optimizers, batch, c, orders)
@@ -2408,10 +2349,6 @@ def bench_update(cfg: Config, run):  # part (2) of --bench-rollout: packed vs pa
           f"{budget} tokens per micro-batch:")
     for layout, s in results.items():
         print(f"  {layout:<7} {s * 1e3:9.1f} ms  {results['padded'] / s:5.2f}x")
-
-
-def constant_scores(batch: Rollout):  # a reward of 1 for every completion (the benchmark's)
-    return torch.ones(batch.response.shape[0], device=batch.response.device)
 
 
 # ----------------------------------------------------------------------------------------------------------------
