@@ -4,6 +4,9 @@ Run: python -m pytest -q test_ppo_tokens.py   (CPU: Triton kernels run under TRI
 kernel tests run compiled on the GPU)"""
 import os
 
+# One intra-op thread, here and in every subprocess (which inherit it): the tiny models gain nothing from more, and on
+# a busy 2-core machine more threads, plus the loop's sampler thread, made the same tests up to 20x slower.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch
 
 if not torch.cuda.is_available():
@@ -42,6 +45,25 @@ def tiny_llama(vocab_size, seed=0, dtype=torch.float64, **overrides):
 @pytest.fixture(scope="module")
 def tokenizer():
     return pt.build_demo_tokenizer()
+
+
+def forget_modules_from(directory):  # reward modules a run imported from its directory: the next run imports its own
+    directory = os.path.join(os.path.abspath(directory), "")
+    for name, module in list(sys.modules.items()):
+        if (getattr(module, "__file__", None) or "").startswith(directory):
+            del sys.modules[name]
+
+
+@pytest.fixture(autouse=True)
+def same_start(tmp_path_factory):
+    """Every test starts from the same global state, whatever ran before it: in-process runs of main() seed torch's
+    global generator, put their working directory on sys.path and import reward modules from it."""
+    torch.manual_seed(0)
+    threads, path = torch.get_num_threads(), sys.path[:]
+    yield
+    torch.set_num_threads(threads)
+    sys.path[:] = path
+    forget_modules_from(tmp_path_factory.getbasetemp())
 
 
 def demo_rollout(tokenizer, policy, texts, temperature=1.0, top_k=0, top_p=1.0, T=4, seed=0):
