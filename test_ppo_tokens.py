@@ -14,6 +14,8 @@ if not torch.cuda.is_available():
 KERNEL_DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 os.environ["PPO_TOKENS_STRICT"] = "1"  # a fast path that falls back is an error (fall_back), here and in subprocesses
 
+import contextlib
+import io
 import json
 import math
 import re
@@ -899,9 +901,26 @@ def test_non_finite_loss_skips_the_update_and_leaves_the_weights_alone(tokenizer
 # staleness 0 and 1, in-flight updates, sampler errors and SIGTERM)
 
 
-def run_script(args, cwd, timeout=300):
-    proc = subprocess.run([sys.executable, SCRIPT, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+def run_main(args, cwd):
+    """The entry point run in this process as `python ppo_tokens.py ARGS` runs it in cwd, without a subprocess's seconds
+    of imports: its exit status, stdout and stderr (where the interpreter prints a SystemExit's message)."""
+    out, err = io.StringIO(), io.StringIO()
+    status = 0
+    with contextlib.chdir(cwd), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            pt.main([str(a) for a in args])
+        except SystemExit as e:
+            if e.code is None or isinstance(e.code, int):
+                status = e.code
+            else:  # a message: the interpreter prints it and exits with status 1
+                print(e.code, file=sys.stderr)
+                status = 1
+    forget_modules_from(cwd)
+    return subprocess.CompletedProcess(args, status or 0, out.getvalue(), err.getvalue())
+
+
+def run_script(args, cwd):
+    proc = run_main(args, cwd)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
 
@@ -936,7 +955,7 @@ TINY = ["--batch-size", "16", "--minibatches", "2", "--micro-batch-size", "4", "
 def test_demo_learns_a_little_in_a_few_iterations(tmp_path):
     """A shortened default demo (the full one is in the README): after the real warm-up, the reward mean rises."""
     out = run_script(["--steps", "24", "--eval-every", "12", "--eval-size", "500", "--sample-every", "0", "--device", "cpu",
-                      "--output-dir", str(tmp_path / "run"), "--demo-cache", str(tmp_path / "cache")], tmp_path, 600)
+                      "--output-dir", str(tmp_path / "run"), "--demo-cache", str(tmp_path / "cache")], tmp_path)
     records = [r for r in read_metrics(tmp_path / "run") if r["step"] > 0]
     first, last = records[:6], records[-6:]
     mean = lambda rs: sum(r["reward_mean"] for r in rs) / len(rs)
@@ -1342,9 +1361,8 @@ def test_flash_attn_is_imported_to_detect_it_and_packing_is_checked_under_autoca
 
 def test_bad_reward_function_output_is_a_clear_error(tmp_path):
     (tmp_path / "bad_rewards.py").write_text("def short(prompts, completions):\n    return [1.0]\n")
-    proc = subprocess.run([sys.executable, SCRIPT, *TINY, "--reward", "bad_rewards:short", "--output-dir",
-                           str(tmp_path / "run"), "--demo-cache", str(tmp_path / "cache")], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300)
+    proc = run_main([*TINY, "--reward", "bad_rewards:short", "--output-dir", str(tmp_path / "run"), "--demo-cache",
+                     str(tmp_path / "cache")], tmp_path)
     assert proc.returncode != 0 and "returned 1 scores for 16 completions" in proc.stderr
 
 
@@ -1383,7 +1401,7 @@ def write_killer_module(path):  # a reward that kills its own process (kill -9) 
                                     "    return [c.count('1') / 4 for c in completions]\n")
 
 
-def run_raw(args, cwd, **env):
+def run_raw(args, cwd, **env):  # a process of its own, for what only a process shows (kill -9)
     return subprocess.run([sys.executable, SCRIPT, *args], cwd=cwd, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONUNBUFFERED": "1", **env})
 
@@ -1405,7 +1423,7 @@ def test_resume_after_kill_ends_with_the_same_weights_as_an_uninterrupted_run(tm
     for key in ("pg_loss", "vf_loss", "reward_mean", "lr", "kl"):
         assert [r.get(key) for r in a] == [r.get(key) for r in b], key
     assert [os.path.basename(c) for c in pt.checkpoints(tmp_path / "part")] == ["step-00000003", "step-00000004"]
-    refused = run_raw([*args, "--output-dir", str(tmp_path / "part")], tmp_path)  # a finished run, without --resume
+    refused = run_main([*args, "--output-dir", str(tmp_path / "part")], tmp_path)  # a finished run, without --resume
     assert refused.returncode == 1 and "already holds a run" in refused.stderr and "--resume" in refused.stderr
 
 
@@ -1452,8 +1470,8 @@ def test_non_finite_rewards_skip_updates_then_stop_with_the_last_good_checkpoint
     (tmp_path / "nan_later.py").write_text("calls = 0\ndef score(prompts, completions):\n    global calls\n"
                                            "    calls += 1\n    return [float('nan') if calls > 2 else 0.5] * len(completions)\n")
     args = [a if a != "count_ones:score" else "nan_later:score" for a in LOOP]
-    proc = run_raw([*args, "--steps", "6", "--save-every", "1", "--max-bad-steps", "2", "--output-dir",
-                    str(tmp_path / "run")], tmp_path)
+    proc = run_main([*args, "--steps", "6", "--save-every", "1", "--max-bad-steps", "2", "--output-dir",
+                     str(tmp_path / "run")], tmp_path)
     assert proc.returncode == 1 and "stopping: 2 consecutive updates skipped for non-finite values" in proc.stderr
     assert "the last good checkpoint is" in proc.stderr and "step-00000002" in proc.stderr.splitlines()[-1]
     assert "update skipped: non-finite scores in rows [0, 1, 2, 3, 4, 5, 6, 7] ... of 16" in proc.stdout
