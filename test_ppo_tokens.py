@@ -1,7 +1,9 @@
 """Tests for ppo_tokens.py and kernels.py: every numeric piece against a plain reference (float64 where it matters),
 every PPO detail with a test that fails when it breaks, and the real entry point on tiny budgets.
 Run: python -m pytest -q test_ppo_tokens.py   (CPU: Triton kernels run under TRITON_INTERPRET=1; on a CUDA machine the
-kernel tests run compiled on the GPU)"""
+kernel tests run compiled on the GPU)
+The slow tier (the longer demo run, kill -9 and resume, torchrun, torch.compile) runs only with PPO_TOKENS_SLOW=1, as
+CI (.ci/run) runs it: PPO_TOKENS_SLOW=1 python -m pytest -q test_ppo_tokens.py"""
 import os
 
 # One intra-op thread, here and in every subprocess (which inherit it): the tiny models gain nothing from more, and on
@@ -33,6 +35,8 @@ kernels = pt.kernels  # kernels.py, imported by ppo_tokens under its own name (t
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "ppo_tokens.py")
+slow = pytest.mark.skipif(os.environ.get("PPO_TOKENS_SLOW") != "1",
+                          reason="slow tier: PPO_TOKENS_SLOW=1 runs it (CI does)")
 
 
 def tiny_llama(vocab_size, seed=0, dtype=torch.float64, **overrides):
@@ -952,6 +956,7 @@ TINY = ["--batch-size", "16", "--minibatches", "2", "--micro-batch-size", "4", "
         "--eval-every", "2", "--demo-warmup-max-steps", "0", "--sample-every", "2", "--device", "cpu"]  # (bit-exact)
 
 
+@slow
 def test_demo_learns_a_little_in_a_few_iterations(tmp_path):
     """A shortened default demo (the full one is in the README): after the real warm-up, the reward mean rises."""
     out = run_script(["--steps", "24", "--eval-every", "12", "--eval-size", "500", "--sample-every", "0", "--device", "cpu",
@@ -1150,6 +1155,7 @@ def test_sampler_errors_and_sigterm_stop_the_run_without_a_hung_thread(tmp_path,
     assert state["step"] >= 2 and not any(t.name == "ppo_tokens-sampler" for t in threading.enumerate())
 
 
+@slow
 def test_critic_free_runs_sample_groups_hold_no_critic_and_resume_to_the_same_weights(tmp_path):
     from safetensors.torch import load_file
     (tmp_path / "grouped.py").write_text(
@@ -1222,9 +1228,11 @@ def test_hybrid_models_sample_with_their_own_cache_and_scoring_agrees(tokenizer)
     torch.testing.assert_close(logprobs, batch.behav_logprobs, rtol=0, atol=1e-8)
 
 
-@pytest.mark.parametrize("family,dtype,top_k,compiled", [("llama", torch.float64, 0, False), ("llama", torch.float32, 5, False),
-                                                         ("gpt2", torch.float64, 0, False), ("sliding", torch.float64, 0, False),
-                                                         ("llama", torch.float32, 0, True)])
+@pytest.mark.parametrize("family,dtype,top_k,compiled", [("llama", torch.float64, 0, False),
+                                                         ("llama", torch.float32, 5, False),
+                                                         ("gpt2", torch.float64, 0, False),
+                                                         ("sliding", torch.float64, 0, False),
+                                                         pytest.param("llama", torch.float32, 0, True, marks=slow)])
 def test_fast_sampler_gives_the_plain_loops_tokens_and_logprobs(tokenizer, family, dtype, top_k, compiled, capsys,
                                                                monkeypatch):
     if family == "sliding":  # a window shorter than the cache: refused, the plain loop samples (its own masks)
@@ -1293,6 +1301,7 @@ def test_a_groups_shared_prompt_is_prefilled_once_and_samples_the_plain_loops_to
     hook.remove()
 
 
+@slow
 def test_a_compiled_shared_prefill_does_not_recompile_in_the_sampler_thread(tokenizer):
     """One row per group (a rank's rows = --samples-per-prompt): the shared prefill's 1-row batch is compiled at start-up
     under the sampler thread's one intra-op thread, so the thread's batches run the compiled code as they are."""
@@ -1406,6 +1415,7 @@ def run_raw(args, cwd, **env):  # a process of its own, for what only a process 
                           env={**os.environ, "PYTHONUNBUFFERED": "1", **env})
 
 
+@slow
 def test_resume_after_kill_ends_with_the_same_weights_as_an_uninterrupted_run(tmp_path):
     from safetensors.torch import load_file
     write_killer_module(tmp_path)
@@ -1427,6 +1437,7 @@ def test_resume_after_kill_ends_with_the_same_weights_as_an_uninterrupted_run(tm
     assert refused.returncode == 1 and "already holds a run" in refused.stderr and "--resume" in refused.stderr
 
 
+@slow
 def test_a_kill_while_writing_a_checkpoint_leaves_the_previous_one_whole(tmp_path):
     write_reward_module(tmp_path)
     args = [*LOOP, "--save-every", "1", "--output-dir", str(tmp_path / "run")]
@@ -1532,6 +1543,7 @@ def unequal_shares(rank: int):  # (x, mask): a rank's share of a logged statisti
     return x, mask
 
 
+@slow
 def test_whitening_and_the_first_update_do_not_depend_on_the_world_size(tmp_path):
     torchrun([os.path.abspath(__file__), str(tmp_path / "world2.pt")], tmp_path)
     # the logged statistics over the rows in the loss: the mean over both ranks' elements, not of the ranks' means
@@ -1555,6 +1567,7 @@ def test_whitening_and_the_first_update_do_not_depend_on_the_world_size(tmp_path
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
+@slow
 def test_torchrun_critic_free_ddp_and_fsdp2_train_and_resume(tmp_path):
     write_reward_module(tmp_path)
     base = [SCRIPT, *LOOP, "--steps", "3", "--save-every", "2", "--samples-per-prompt", "4"]
@@ -1572,6 +1585,7 @@ def test_torchrun_critic_free_ddp_and_fsdp2_train_and_resume(tmp_path):
             assert "step-00000002 after iteration 2/3" in resumed and digests(resumed) == full, name
 
 
+@slow
 def test_torchrun_two_ranks_ddp_and_fsdp2_train_resume_and_stay_identical(tmp_path):
     from transformers import AutoModelForCausalLM
     write_reward_module(tmp_path)
