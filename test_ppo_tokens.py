@@ -1146,9 +1146,11 @@ def test_sampler_errors_and_sigterm_stop_the_run_without_a_hung_thread(tmp_path,
             break
     assert seen, "the run did not reach iteration 2"
     proc.send_signal(signal.SIGTERM)
-    t0 = time.time()
     out, _ = proc.communicate(timeout=60)
-    assert time.time() - t0 < 20 and proc.returncode == 0, out[-2000:]  # stopped, promptly, with a checkpoint
+    # stopped promptly, with a checkpoint: after the iteration the signal came in (at most one more "it" line), and the
+    # sampler thread joined (not left behind by close()'s timeout); counted in iterations, not in seconds
+    after = out[out.index("SIGTERM: finishing this iteration"):]
+    assert proc.returncode == 0 and after.count("\nit ") <= 1 and "did not stop" not in out, out[-2000:]
     (checkpoint,) = pt.checkpoints(tmp_path / "run2")
     assert "stopped by SIGTERM after iteration" in out and f"--resume {checkpoint}" in out
     state = load_into_fresh_models(checkpoint)
