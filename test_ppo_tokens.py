@@ -305,11 +305,13 @@ def make_kept(tokens, vocab, k, drop_sampled=()):
 
 def ragged_batch(tokenizer, n=7, T=6, seed=0):  # prompts of 3..12 tokens, responses of 1..T tokens
     g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(5, len(tokenizer), (int(k),), generator=g).tolist() for k in torch.randint(3, 13, (n,), generator=g)]
+    prompt_lengths = torch.randint(3, 13, (n,), generator=g)
+    prompts = [torch.randint(5, len(tokenizer), (int(k),), generator=g).tolist() for k in prompt_lengths]
     ids, mask = pt.left_pad(prompts, tokenizer.pad_token_id, "cpu")
     lengths = torch.cat([torch.tensor([1, T]), torch.randint(1, T + 1, (n - 2,), generator=g)])  # a length-1 response
     response_mask = (torch.arange(T)[None] < lengths[:, None]).long()
-    response = torch.where(response_mask.bool(), torch.randint(5, len(tokenizer), (n, T), generator=g), tokenizer.pad_token_id)
+    tokens = torch.randint(5, len(tokenizer), (n, T), generator=g)
+    response = torch.where(response_mask.bool(), tokens, tokenizer.pad_token_id)
     return pt.Rollout(ids, mask, response, response_mask, None, None, None)
 
 
@@ -334,7 +336,8 @@ def test_packed_scoring_equals_padded_scoring(tokenizer, family):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
         assert (a[~batch.response_mask.bool()] == 0).all()
     # the critic is float32 (build_critic): float32 rounding
-    torch.testing.assert_close(pt.critic_values(critic, batch, pt.packed_inputs(batch)), padded_values, rtol=0, atol=1e-5)
+    packed_values = pt.critic_values(critic, batch, pt.packed_inputs(batch))
+    torch.testing.assert_close(packed_values, padded_values, rtol=0, atol=1e-5)
     cfg = SimpleNamespace(temperature=0.8, full_logits=True, micro_batch_tokens=64)  # the full-logits path packs too
     torch.testing.assert_close(pt.rollout_logprobs(policy, batch, cfg)[0], padded[0], rtol=0, atol=1e-10)
     from transformers import MistralConfig, MistralForCausalLM  # sliding windows are refused, not silently ignored
@@ -368,12 +371,19 @@ def test_reward_model_scores_at_last_token_with_same_or_different_tokenizer(toke
     other.chat_template = ("{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}{% if m['role'] == 'assistant' "
                            "%}<eos>{% endif %}{% endfor %}")
     texts, render = [], other.apply_chat_template
-    other.apply_chat_template = lambda *a, **k: texts.append(render(*a, **k)) or texts[-1]
+
+    def recorded(*args, **kwargs):  # the texts the reward model is given
+        texts.append(render(*args, **kwargs))
+        return texts[-1]
+
+    other.apply_chat_template = recorded
     batch.ended = torch.tensor([True, False, True])
     pt.reward_model_scores(rm, other, tokenizer, batch, True, 2)
     assert texts == ["u:1+2=a:3<eos>", "u:37+45=a:82", "u:9+90=a:<eos>"]
-    other.chat_template = other.chat_template.replace("m['content']", "m['content'][1:]")  # rewrites the turn (as
-    texts.clear()  # templates that drop a <think> part): it cannot stay open, so it is closed, not a crash
+    # a template that rewrites the turn (as those that drop a <think> part): it cannot stay open, so it is closed,
+    # not a crash
+    other.chat_template = other.chat_template.replace("m['content']", "m['content'][1:]")
+    texts.clear()
     pt.reward_model_scores(rm, other, tokenizer, batch, True, 2)
     assert texts[-2:] == ["u:7+45=a:2<eos>", "u:+90=a:<eos>"]
 
@@ -464,7 +474,8 @@ def test_kl_in_the_reward_and_identical_reference_gives_zero_kl(tokenizer):
     assert float(kl.abs().max()) == 0.0  # reference == policy: no penalty
     cfg, policy, reference, critic, batch = tiny_setup(tokenizer, kl_coef=0.1, kl_estimator="k3")
     kl = score(batch, policy, reference, critic, constant_reward(0.0), cfg)
-    expected = torch.where(batch.response_mask.bool(), -0.1 * pt.kl_estimate(batch.old_logprobs, batch.ref_logprobs, "k3"), 0.0)
+    k3 = pt.kl_estimate(batch.old_logprobs, batch.ref_logprobs, "k3")
+    expected = torch.where(batch.response_mask.bool(), -0.1 * k3, 0.0)
     torch.testing.assert_close(batch.rewards, expected)
     assert (kl >= 0).all() and float(kl.max()) > 0
 
@@ -808,9 +819,10 @@ def test_adamw_eps_and_linear_lr_decay(tokenizer):
 def test_token_budget_micro_batches_cover_every_token_once(tokenizer):
     cfg = pt.Config(batch_size=28, minibatches=2, micro_batch_tokens=40)
     g = torch.Generator().manual_seed(1)
-    batch = pt.Rollout(torch.ones(28, 12, dtype=torch.long), (torch.arange(12) >= 12 - torch.randint(1, 13, (28, 1), generator=g)).long(),
-                       torch.ones(28, 9, dtype=torch.long), (torch.arange(9) < torch.randint(1, 10, (28, 1), generator=g)).long(),
-                       None, None, None)
+    prompt_mask = (torch.arange(12) >= 12 - torch.randint(1, 13, (28, 1), generator=g)).long()  # 1..12 real tokens
+    response_mask = (torch.arange(9) < torch.randint(1, 10, (28, 1), generator=g)).long()  # 1..9 real tokens
+    batch = pt.Rollout(torch.ones(28, 12, dtype=torch.long), prompt_mask, torch.ones(28, 9, dtype=torch.long),
+                       response_mask, None, None, None)
     lengths = (batch.prompt_mask.sum(1) + batch.response_mask.sum(1)).tolist()
     order = torch.randperm(28, generator=g)
     groups = pt.micro_batch_rows(batch, order.split(14), cfg)
@@ -826,9 +838,13 @@ def test_token_budget_micro_batches_cover_every_token_once(tokenizer):
 
 def test_packed_training_matches_padded_training(tokenizer, monkeypatch):
     results, sizes = [], []
-    packed_inputs = pt.packed_inputs  # count the packed micro-batches and their real tokens
-    monkeypatch.setattr(pt, "packed_inputs", lambda b: (sizes.append(int(b.prompt_mask.sum() + b.response_mask.sum())),
-                                                        packed_inputs(b))[1])
+    packed_inputs = pt.packed_inputs
+
+    def counted(b):  # count the packed micro-batches and their real tokens
+        sizes.append(int(b.prompt_mask.sum() + b.response_mask.sum()))
+        return packed_inputs(b)
+
+    monkeypatch.setattr(pt, "packed_inputs", counted)
     for packed in (False, True):
         cfg, policy, reference, critic, batch = tiny_setup(tokenizer, **({"micro_batch_tokens": 20} if packed else {}))
         if packed:
@@ -845,7 +861,8 @@ def test_packed_training_matches_padded_training(tokenizer, monkeypatch):
     (a, sa, wa), (b, sb, wb) = results
     # --micro-batch-tokens 20 is honoured: more micro-batches than minibatches (2 minibatches of 4 rows, ~39 tokens
     # each, in the reference's, the trainer's and 2 epochs' passes), none over 20 real tokens, every token 4 times
-    assert len(sizes) > 2 * 4 and max(sizes) <= 20 and sum(sizes) == 4 * int(b.prompt_mask.sum() + b.response_mask.sum())
+    n_tokens = int(b.prompt_mask.sum() + b.response_mask.sum())
+    assert len(sizes) > 2 * 4 and max(sizes) <= 20 and sum(sizes) == 4 * n_tokens
     for name in ("old_logprobs", "values", "advantages"):
         torch.testing.assert_close(getattr(b, name), getattr(a, name), rtol=1e-4, atol=1e-5)
     for k in ("pg_loss", "vf_loss", "entropy"):
@@ -863,7 +880,12 @@ def test_gradient_checkpointing_and_bf16_autocast_keep_the_update(tokenizer):
             pt.checkpoint_layers(model)
         mlp = pt.decoder_layers(policy)[0].mlp
         forward = mlp.forward
-        mlp.forward = lambda *a, **k: (calls.append(torch.is_grad_enabled()), forward(*a, **k))[1]
+
+        def recorded(*args, **kwargs):  # whether each call of the first MLP builds a graph
+            calls.append(torch.is_grad_enabled())
+            return forward(*args, **kwargs)
+
+        mlp.forward = recorded
 
     _, checkpointed, _ = sgd_update(tokenizer, prepare=checkpoint, ppo_epochs=1, minibatches=1)
     assert calls == [False, True, True]  # scoring, the training forward, its recomputation in the backward
@@ -871,9 +893,10 @@ def test_gradient_checkpointing_and_bf16_autocast_keep_the_update(tokenizer):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
     stats, bf16, _ = sgd_update(tokenizer, bf16=True, ppo_epochs=1, minibatches=1)
     assert stats["first_ratio_max_dev"] == 0.0  # scoring and the first epoch run under the same autocast
-    flat = lambda steps: torch.cat([s.reshape(-1) for s in steps])
-    assert torch.nn.functional.cosine_similarity(flat(bf16), flat(plain), dim=0) > 0.99
-    assert float((flat(bf16) - flat(plain)).abs().max()) > 1e-5  # autocast did run: bf16 rounding moved the step
+    bf16_step = torch.cat([s.reshape(-1) for s in bf16])
+    plain_step = torch.cat([s.reshape(-1) for s in plain])
+    assert torch.nn.functional.cosine_similarity(bf16_step, plain_step, dim=0) > 0.99
+    assert float((bf16_step - plain_step).abs().max()) > 1e-5  # autocast did run: bf16 rounding moved the step
     for full_logits in (False, True):
         cfg, policy, _, _, batch = tiny_setup(tokenizer, bf16=True, full_logits=full_logits)
         pt.fp32_head(policy)  # what train() does under --bf16
@@ -893,8 +916,10 @@ def test_non_finite_loss_skips_the_update_and_leaves_the_weights_alone(tokenizer
     before = [p.detach().clone() for p in policy.parameters()]
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (policy, critic)]
     stats = pt.ppo_update(policy, critic, *opts, batch, cfg, orders)
-    assert stats["nonfinite"].startswith("policy loss") and "epoch 1 minibatch 1 (after 0 finite steps)" in stats["nonfinite"]
-    assert all(torch.equal(p, b) for p, b in zip(policy.parameters(), before)) and all(p.grad is None for p in policy.parameters())
+    assert stats["nonfinite"].startswith("policy loss")
+    assert "epoch 1 minibatch 1 (after 0 finite steps)" in stats["nonfinite"]
+    assert all(torch.equal(p, b) for p, b in zip(policy.parameters(), before))
+    assert all(p.grad is None for p in policy.parameters())
     assert pt.nonfinite(batch) == "advantages in rows [0, 1, 2, 3, 4, 5, 6, 7] of 8"
     batch.behav_logprobs[3, 1] = float("nan")  # a sampler whose logits went NaN (its draws are not checked)
     assert pt.nonfinite(batch) == "behav_logprobs in rows [3] of 8"
@@ -959,12 +984,12 @@ TINY = ["--batch-size", "16", "--minibatches", "2", "--micro-batch-size", "4", "
 @slow
 def test_demo_learns_a_little_in_a_few_iterations(tmp_path):
     """A shortened default demo (the full one is in the README): after the real warm-up, the reward mean rises."""
-    out = run_script(["--steps", "24", "--eval-every", "12", "--eval-size", "500", "--sample-every", "0", "--device", "cpu",
-                      "--output-dir", str(tmp_path / "run"), "--demo-cache", str(tmp_path / "cache")], tmp_path)
+    out = run_script(["--steps", "24", "--eval-every", "12", "--eval-size", "500", "--sample-every", "0", "--device",
+                      "cpu", "--output-dir", str(tmp_path / "run"), "--demo-cache", str(tmp_path / "cache")], tmp_path)
     records = [r for r in read_metrics(tmp_path / "run") if r["step"] > 0]
-    first, last = records[:6], records[-6:]
-    mean = lambda rs: sum(r["reward_mean"] for r in rs) / len(rs)
-    assert mean(last) > mean(first) + 0.03, (mean(first), mean(last), out[-2000:])
+    first = statistics.fmean(r["reward_mean"] for r in records[:6])
+    last = statistics.fmean(r["reward_mean"] for r in records[-6:])
+    assert last > first + 0.03, (first, last, out[-2000:])
     assert "warm-up:" in out and "held-out sampled accuracy" in out
 
 
@@ -987,7 +1012,8 @@ def test_model_directory_prompts_file_and_reward_function(tmp_path, tokenizer):
     """--model DIR (with a chat template) + --prompts JSONL + --reward module:function, through the real CLI."""
     import copy
     tok = copy.deepcopy(tokenizer)
-    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}={% endif %}"
+    tok.chat_template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                         "{% if add_generation_prompt %}={% endif %}")
     model = tiny_llama(len(tok) + 8, dtype=torch.float32)  # spare embedding rows, as many real vocabularies have
     model.save_pretrained(tmp_path / "policy_in")
     tok.save_pretrained(tmp_path / "policy_in")
@@ -1026,8 +1052,8 @@ def test_a_tokenizer_without_pad_and_a_reward_model_of_the_same_vocabulary(tmp_p
     with open(tmp_path / "prompts.jsonl", "w") as f:
         f.writelines(json.dumps({"prompt": f"{a}+{a * 37}="}) + "\n" for a in range(20))  # ragged: left pads
     run_script([*TINY, "--model", str(tmp_path / "policy_in"), "--prompts", str(tmp_path / "prompts.jsonl"),
-                "--reward-model", str(tmp_path / "rm"), "--response-length", "5", "--output-dir", str(tmp_path / "run")],
-               tmp_path)
+                "--reward-model", str(tmp_path / "rm"), "--response-length", "5",
+                "--output-dir", str(tmp_path / "run")], tmp_path)
     records = check_outputs(tmp_path / "run", 3)
     assert all(math.isfinite(r["reward_mean"]) for r in records)
 
@@ -1093,8 +1119,9 @@ def test_inflight_updates_tag_each_token_with_its_version(tokenizer):
 
     ids, mask = pt.left_pad(pt.format_prompts(tokenizer, ["1+2=", "37+45="], False, 64), tokenizer.pad_token_id, "cpu")
     eos = 999  # never sampled: every row runs all 5 steps
-    batch = pt.generate(sampler, ids, mask, max_new_tokens=5, temperature=1.0, stop_ids=eos, pad_id=tokenizer.pad_token_id,
-                        generator=torch.Generator().manual_seed(0), between_steps=between_steps)
+    batch = pt.generate(sampler, ids, mask, max_new_tokens=5, temperature=1.0, stop_ids=eos,
+                        pad_id=tokenizer.pad_token_id, generator=torch.Generator().manual_seed(0),
+                        between_steps=between_steps)
     assert batch.policy_version.tolist() == [[0, 0, 1, 1, 1]] * 2  # a mixed-version sequence
     assert all(torch.equal(p, q) for p, q in zip(policy.parameters(), sampler.parameters()))
     # the first two tokens' behaviour log-probs come from version 0: rescoring with version 0 reproduces them
@@ -1190,9 +1217,13 @@ def test_critic_free_runs_sample_groups_hold_no_critic_and_resume_to_the_same_we
 
 def test_dropout_is_off_in_every_model():
     model = tiny_llama(16, attention_dropout=0.5, dtype=torch.float32).train()
-    model.model.layers[0].mlp.add_module("drop", torch.nn.Dropout(0.5))  # a dropout module too
-    model.model.layers[0].mlp.forward = (lambda mlp: lambda x: mlp.drop(mlp.down_proj(
-        mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))))(model.model.layers[0].mlp)
+    mlp = model.model.layers[0].mlp
+    mlp.add_module("drop", torch.nn.Dropout(0.5))  # a dropout module too
+
+    def forward_with_dropout(x):  # LlamaMLP.forward, then the dropout
+        return mlp.drop(mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x)))
+
+    mlp.forward = forward_with_dropout
     x = torch.randint(0, 16, (2, 8))
     assert not torch.equal(model(x).logits, model(x).logits)  # dropout active: the test can fail
     pt.disable_dropout(model)
@@ -1207,7 +1238,8 @@ def test_critic_starts_at_zero_or_from_the_reward_model(tokenizer):
     assert (critic(ids, mask, pt.positions(mask)) == 0).all()  # zero head: first advantages are the rewards
     assert all(p.requires_grad for p in critic.parameters())
     assert all(a.data_ptr() != b.data_ptr() for a, b in zip(critic.backbone.parameters(), policy.model.parameters()))
-    rm = pt.ScalarHeadModel(tiny_llama(len(tokenizer), seed=5, dtype=torch.float32).model, torch.nn.Linear(32, 1, bias=False))
+    rm = pt.ScalarHeadModel(tiny_llama(len(tokenizer), seed=5, dtype=torch.float32).model,
+                            torch.nn.Linear(32, 1, bias=False))
     from_rm = pt.build_critic(policy, rm, same_tokenizer=True)
     torch.testing.assert_close(from_rm(ids, mask, pt.positions(mask)), rm(ids, mask, pt.positions(mask)))
     assert (pt.build_critic(policy, rm, same_tokenizer=False)(ids, mask, pt.positions(mask)) == 0).all()
@@ -1257,15 +1289,25 @@ def test_fast_sampler_gives_the_plain_loops_tokens_and_logprobs(tokenizer, famil
     assert ("fast sampler off for MistralForCausalLM (sliding-window layers" in out) == (family == "sliding")
     assert "torch.compile off" not in out
     assert (family != "sliding" and decoder.decode is not policy and decoder.prefill is not policy) == compiled
-    sample = lambda sampler: pt.generate(sampler, ids, mask, max_new_tokens=10, temperature=0.9, stop_ids=tokenizer.eos_token_id,
-                                         pad_id=tokenizer.pad_token_id, generator=torch.Generator().manual_seed(7), top_k=top_k)
+    sampling = dict(max_new_tokens=10, temperature=0.9, stop_ids=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
+                    top_k=top_k)
+
+    def sample(sampler):  # from the same seed each time
+        return pt.generate(sampler, ids, mask, **sampling, generator=torch.Generator().manual_seed(7))
+
+    def in_a_sampler_thread():  # one intra-op thread, like the Producer's: the compiled code runs, not a recompile
+        torch.set_num_threads(1)
+        batches.extend(sample(decoder) for _ in range(2))
+        # then capture()'s warm-up prompt (on CUDA), as fast_decoder calls it: 2 tokens, not a length-1 prefill the
+        # compile specialises on
+        with torch.no_grad():
+            decoder.warm_up()
+
     batches = [sample(policy)]
-    if compiled:  # in a thread with one intra-op thread, like the Producer's: the compiled code runs, not a recompile
+    if compiled:
         from torch._dynamo.utils import counters
         graphs = counters["stats"]["unique_graphs"]
-        # then capture()'s warm-up prompt (on CUDA): 2 tokens, not a length-1 prefill the compile specialises on
-        thread = threading.Thread(target=lambda: (torch.set_num_threads(1), batches.extend(sample(decoder) for _ in range(2)),
-                                                  torch.no_grad()(decoder.warm_up)()))  # (as fast_decoder calls it)
+        thread = threading.Thread(target=in_a_sampler_thread)
         thread.start()
         thread.join()
         assert counters["stats"]["unique_graphs"] == graphs
@@ -1273,7 +1315,8 @@ def test_fast_sampler_gives_the_plain_loops_tokens_and_logprobs(tokenizer, famil
         batches += [sample(decoder), sample(decoder)]  # the decoder twice: its cache is reused between batches
     assert not batches[0].response_mask.all()  # some rows ended early: pads after EOS
     for fast in batches[1:]:
-        assert torch.equal(fast.response, batches[0].response) and torch.equal(fast.response_mask, batches[0].response_mask)
+        assert torch.equal(fast.response, batches[0].response)
+        assert torch.equal(fast.response_mask, batches[0].response_mask)
         # the same tokens; the log-probs differ only by the attention's rounding over the longer preallocated cache
         torch.testing.assert_close(fast.behav_logprobs, batches[0].behav_logprobs, rtol=0,
                                    atol=1e-12 if dtype == torch.float64 else 1e-5)
@@ -1295,8 +1338,9 @@ def test_a_groups_shared_prompt_is_prefilled_once_and_samples_the_plain_loops_to
         batches = []
         for sampler in (policy, decoder):
             forwards.clear()
-            batches.append(pt.generate(sampler, ids, mask, max_new_tokens=8, temperature=0.9, pad_id=tokenizer.pad_token_id,
-                                       stop_ids=tokenizer.eos_token_id, generator=torch.Generator().manual_seed(7)))
+            batches.append(pt.generate(sampler, ids, mask, max_new_tokens=8, temperature=0.9,
+                                       pad_id=tokenizer.pad_token_id, stop_ids=tokenizer.eos_token_id,
+                                       generator=torch.Generator().manual_seed(7)))
         assert [f for f in forwards if f[1] > 1] == [(prefill_rows, ids.shape[1])]  # the decoder's one prefill
         assert torch.equal(batches[1].response, batches[0].response)
         torch.testing.assert_close(batches[1].behav_logprobs, batches[0].behav_logprobs, rtol=0, atol=1e-12)
@@ -1305,17 +1349,23 @@ def test_a_groups_shared_prompt_is_prefilled_once_and_samples_the_plain_loops_to
 
 @slow
 def test_a_compiled_shared_prefill_does_not_recompile_in_the_sampler_thread(tokenizer):
-    """One row per group (a rank's rows = --samples-per-prompt): the shared prefill's 1-row batch is compiled at start-up
-    under the sampler thread's one intra-op thread, so the thread's batches run the compiled code as they are."""
+    """One row per group (a rank's rows = --samples-per-prompt): the shared prefill's 1-row batch is compiled at
+    start-up under the sampler thread's one intra-op thread, so the thread's batches run the compiled code as they
+    are."""
     from torch._dynamo.utils import counters
     policy = tiny_llama(len(tokenizer), seed=2, dtype=torch.float32)
     decoder = pt.fast_decoder(policy, 4, 20, pt.PlainDecoder, compiled=True, threads=1, group=4)
     assert decoder.shared is not None and decoder.prefill is not policy
     ids, mask = pt.left_pad(pt.format_prompts(tokenizer, ["37+45="] * 4, False, 64), tokenizer.pad_token_id, "cpu")
     graphs = counters["stats"]["unique_graphs"]
-    sample = lambda: pt.generate(decoder, ids, mask, max_new_tokens=5, temperature=1.0, stop_ids=tokenizer.eos_token_id,
-                                 pad_id=tokenizer.pad_token_id, generator=torch.Generator().manual_seed(0))
-    thread = threading.Thread(target=lambda: (torch.set_num_threads(1), sample(), sample()))
+
+    def in_a_sampler_thread():  # one intra-op thread, like the Producer's
+        torch.set_num_threads(1)
+        for _ in range(2):
+            pt.generate(decoder, ids, mask, max_new_tokens=5, temperature=1.0, stop_ids=tokenizer.eos_token_id,
+                        pad_id=tokenizer.pad_token_id, generator=torch.Generator().manual_seed(0))
+
+    thread = threading.Thread(target=in_a_sampler_thread)
     thread.start()
     thread.join()
     assert counters["stats"]["unique_graphs"] == graphs
@@ -1341,7 +1391,8 @@ def test_flash_attn_is_imported_to_detect_it_and_packing_is_checked_under_autoca
     monkeypatch.delenv("PPO_TOKENS_STRICT")
     kernels.flash_attn_varlen.cache_clear()
     try:
-        assert kernels.flash_attn_varlen() is None and "flash-attn is installed but does not import" in capsys.readouterr().out
+        assert kernels.flash_attn_varlen() is None
+        assert "flash-attn is installed but does not import" in capsys.readouterr().out
         kernels.flash_attn_varlen.cache_clear()
         monkeypatch.setenv("PPO_TOKENS_STRICT", "1")
         with pytest.raises(RuntimeError, match="PPO_TOKENS_STRICT=1: flash-attn is installed"):
@@ -1351,7 +1402,8 @@ def test_flash_attn_is_imported_to_detect_it_and_packing_is_checked_under_autoca
         sys.modules.pop("flash_attn", None)
     policy = tiny_llama(16, dtype=torch.float32)
     pt.use_packed_attention(policy.model, bf16=True)  # packed == padded in fp32 and under bf16 autocast
-    attention = kernels.ppo_attention  # a packed path that only goes wrong under autocast (as a broken flash-attn would)
+    # a packed path that only goes wrong under autocast (as a broken flash-attn would)
+    attention = kernels.ppo_attention
 
     def broken(module, query, *args, packed_layout=None, **kwargs):
         out, _ = attention(module, query, *args, packed_layout=packed_layout, **kwargs)
@@ -1644,7 +1696,8 @@ def test_bench_rollout_runs_and_ends_with_the_ratio_line(tmp_path):  # the entry
     out = run_script(["--bench-rollout", "--batch-size", "8", "--response-length", "3", "--minibatches", "2",
                       "--demo-hidden", "32", "--demo-layers", "1", "--device", "cpu", "--advantage", "rloo",
                       "--samples-per-prompt", "2"], tmp_path)  # critic-free: the update benchmark builds no critic
-    assert "packed" in out and "shared prefill" in out and out.strip().splitlines()[-1].startswith("sampler vs generate: ")
+    assert "packed" in out and "shared prefill" in out
+    assert out.strip().splitlines()[-1].startswith("sampler vs generate: ")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1733,10 +1786,14 @@ def test_bad_input_is_refused_with_one_clear_line(tmp_path, capsys, monkeypatch,
     tokenizer.save_pretrained(tmp_path / "mamba")
     os.makedirs(tmp_path / "old_run/checkpoints/step-00000003")
     base = [*LOOP, "--steps", "1"]
-    with_prompts = lambda f: [*base, "--prompts", str(tmp_path / f)]
+
+    def with_prompts(name):
+        return [*base, "--prompts", str(tmp_path / name)]
+
     (tmp_path / "good.jsonl").write_text(json.dumps({"prompt": "1+1"}) + "\n")
     capsys.readouterr()
-    cases = [([*with_prompts("good.jsonl"), "--model", str(tmp_path / "nowhere")], 1, f"--model {tmp_path / 'nowhere'}: cannot load"),
+    cases = [([*with_prompts("good.jsonl"), "--model", str(tmp_path / "nowhere")], 1,
+              f"--model {tmp_path / 'nowhere'}: cannot load"),
              ([*base, "--reward", "", "--reward-model", "nowhere"], 2, "--reward-model nowhere: no such directory"),
              ([*base, "--prompts", "nowhere.jsonl"], 2, "--prompts nowhere.jsonl: no such file"),
              (with_prompts("binary.jsonl"), 1, "cannot read it as UTF-8 text"),
@@ -1753,8 +1810,8 @@ def test_bad_input_is_refused_with_one_clear_line(tmp_path, capsys, monkeypatch,
              ([*with_prompts("good.jsonl"), "--model", str(tmp_path / "mamba")], 1, "mamba is not supported"),
              ([*base, "--batch-size", "15"], 2, "--batch-size 15 must be divisible by --minibatches 2"),
              ([*base, "--temperature", "-1"], 2, "--temperature must be > 0"),
-             ([*base, "--output-dir", str(tmp_path / "old_run")], 1, "already holds a run (metrics.jsonl, checkpoints); "
-              "continue it with --resume"),
+             ([*base, "--output-dir", str(tmp_path / "old_run")], 1,
+              "already holds a run (metrics.jsonl, checkpoints); continue it with --resume"),
              ([*base, "--resume", "--output-dir", ""], 2, "--resume needs --output-dir DIR"),
              ([*base, "--resume", str(tmp_path / "nowhere")], 2, "--resume: no whole checkpoint in")]
     if not torch.cuda.is_available():
@@ -1770,7 +1827,8 @@ def test_bad_input_is_refused_with_one_clear_line(tmp_path, capsys, monkeypatch,
     code, err = exit_of(["--resume", str(tmp_path / "old_run"), "--lr", "0.1"], capsys)
     assert code == 2 and "--lr 0.1 differs from the checkpoint's 0.003; drop the flag or start a new run" in err
     ids = pt.format_prompts(tokenizer, ["1" * 70, "12"], False, 30)
-    assert [len(x) for x in ids] == [30, 3] and "1 of 2 prompts are longer than --max-prompt-length 30" in capsys.readouterr().out
+    assert [len(x) for x in ids] == [30, 3]
+    assert "1 of 2 prompts are longer than --max-prompt-length 30" in capsys.readouterr().out
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -2107,7 +2165,8 @@ def test_cuda_save_every_then_resume_samples_the_same_next_batch(tmp_path):
 def test_cuda_bench_rollout_runs(tmp_path):
     out = run_script(["--bench-rollout", "--device", "cuda", "--batch-size", "8", "--response-length", "16",
                       "--minibatches", "2", "--demo-hidden", "64", "--demo-layers", "2"], tmp_path)
-    assert "weights-read bound" in out and re.fullmatch(r"sampler vs generate: \d+\.\d\dx", out.strip().splitlines()[-1])
+    assert "weights-read bound" in out
+    assert re.fullmatch(r"sampler vs generate: \d+\.\d\dx", out.strip().splitlines()[-1])
 
 
 @cuda
@@ -2122,14 +2181,17 @@ def test_cuda_fast_sampler_replays_a_captured_graph_with_the_plain_loops_tokens(
     decoder = pt.fast_decoder(policy, len(texts), ids.shape[1] + 12, pt.PlainDecoder, group=group)
     assert isinstance(decoder, pt.StaticDecoder) and decoder.graph is not None and decoder.grouped
     assert (decoder.shared is not None) == (group > 1)
-    sample = lambda sampler: pt.generate(sampler, ids, mask, max_new_tokens=10, temperature=0.9,
-                                         stop_ids=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
-                                         generator=torch.Generator("cuda").manual_seed(7))
+
+    def sample(sampler):  # from the same seed each time
+        return pt.generate(sampler, ids, mask, max_new_tokens=10, temperature=0.9, stop_ids=tokenizer.eos_token_id,
+                           pad_id=tokenizer.pad_token_id, generator=torch.Generator("cuda").manual_seed(7))
+
     replayed, again = sample(decoder), sample(decoder)  # the second reuses the cache and the graph
     graph, decoder.graph = decoder.graph, None
     eager = sample(decoder)  # the same decoder without its graph
     decoder.graph = graph
-    kernels.agrees_with_plain_loop(decoder, policy, len(texts), pt.PlainDecoder, group)  # the replayed graph, after two batches, still agrees
+    # the replayed graph, after two batches, still agrees
+    kernels.agrees_with_plain_loop(decoder, policy, len(texts), pt.PlainDecoder, group)
     if dtype == torch.float32:  # fp32: the same tokens as the plain DynamicCache loop (bf16 could flip a near-tie)
         plain = sample(policy)
         for batch in (replayed, again, eager):
