@@ -63,13 +63,18 @@ def forget_modules_from(directory):  # reward modules a run imported from its di
 @pytest.fixture(autouse=True)
 def same_start(tmp_path_factory):
     """Every test starts from the same global state, whatever ran before it: in-process runs of main() seed torch's
-    global generator, put their working directory on sys.path and import reward modules from it."""
+    global generator, put their working directory on sys.path and import reward modules from it; pt.setup() sets
+    the TF32 switch and the current CUDA device."""
     torch.manual_seed(0)
-    threads, path = torch.get_num_threads(), sys.path[:]
+    threads, path, tf32 = torch.get_num_threads(), sys.path[:], torch.backends.cuda.matmul.allow_tf32
+    cuda_device = torch.cuda.current_device() if torch.cuda.is_initialized() else 0
     yield
     torch.set_num_threads(threads)
     sys.path[:] = path
     forget_modules_from(tmp_path_factory.getbasetemp())
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    if torch.cuda.is_initialized():
+        torch.cuda.set_device(cuda_device)
 
 
 def demo_rollout(tokenizer, policy, texts, temperature=1.0, top_k=0, top_p=1.0, T=4, seed=0):
@@ -2112,6 +2117,12 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 CUDA_LOOP = [*LOOP, "--device", "cuda", "--steps", "3"]  # (the last --device wins)
 
 
+def run_cuda_script(args, cwd):  # a process of its own: a CUDA run's device, TF32 setting, graphs and memory stay there
+    proc = run_raw(args, cwd)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
 def cuda_records(output_dir, steps, ratio_tol=1e-3):
     records = [r for r in read_metrics(output_dir) if r["step"] > 0]
     assert [r["step"] for r in records] == list(range(1, steps + 1))
@@ -2130,7 +2141,7 @@ def cuda_records(output_dir, steps, ratio_tol=1e-3):
                          ids=["sync", "staleness1-inflight", "compiled", "packed-bf16-checkpointed"])
 def test_cuda_entry_point_trains(tmp_path, flags):
     write_reward_module(tmp_path)
-    out = run_script([*CUDA_LOOP, *flags, "--output-dir", str(tmp_path / "run")], tmp_path)
+    out = run_cuda_script([*CUDA_LOOP, *flags, "--output-dir", str(tmp_path / "run")], tmp_path)
     assert "on cuda:0" in out  # (and no fast path fell back: under the strict switch that fails the run)
     cuda_records(tmp_path / "run", 3, ratio_tol=1e-3 if "--bf16" not in flags else 1e-2)
 
@@ -2138,8 +2149,8 @@ def test_cuda_entry_point_trains(tmp_path, flags):
 @cuda
 def test_cuda_critic_free_run_with_the_mismatch_correction(tmp_path):  # the bf16 sampler's drift, corrected
     write_reward_module(tmp_path)
-    run_script([*CUDA_LOOP, "--advantage", "grpo", "--samples-per-prompt", "4", "--mismatch-correction",
-                "--output-dir", str(tmp_path / "run")], tmp_path)
+    run_cuda_script([*CUDA_LOOP, "--advantage", "grpo", "--samples-per-prompt", "4", "--mismatch-correction",
+                     "--output-dir", str(tmp_path / "run")], tmp_path)
     records = [r for r in read_metrics(tmp_path / "run") if r["step"] > 0]
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all(math.isfinite(r[k]) for r in records for k in ("pg_loss", "kl_loss", "grad_norm", "behav_prox_kl"))
@@ -2150,10 +2161,10 @@ def test_cuda_critic_free_run_with_the_mismatch_correction(tmp_path):  # the bf1
 def test_cuda_save_every_then_resume_samples_the_same_next_batch(tmp_path):
     write_reward_module(tmp_path)
     args = [*CUDA_LOOP, "--steps", "4", "--save-every", "2"]
-    run_script([*args, "--output-dir", str(tmp_path / "full")], tmp_path)
+    run_cuda_script([*args, "--output-dir", str(tmp_path / "full")], tmp_path)
     full = cuda_records(tmp_path / "full", 4)
-    run_script(["--resume", str(tmp_path / "full/checkpoints/step-00000002"), "--output-dir", str(tmp_path / "full")],
-               tmp_path)
+    run_cuda_script(["--resume", str(tmp_path / "full/checkpoints/step-00000002"),
+                     "--output-dir", str(tmp_path / "full")], tmp_path)
     resumed = cuda_records(tmp_path / "full", 4)
     # iteration 3 samples from the checkpoint's weights with its generator states: the same tokens and rewards (later
     # updates may differ in the last bits: CUDA's backward kernels are not deterministic)
@@ -2163,8 +2174,8 @@ def test_cuda_save_every_then_resume_samples_the_same_next_batch(tmp_path):
 
 @cuda
 def test_cuda_bench_rollout_runs(tmp_path):
-    out = run_script(["--bench-rollout", "--device", "cuda", "--batch-size", "8", "--response-length", "16",
-                      "--minibatches", "2", "--demo-hidden", "64", "--demo-layers", "2"], tmp_path)
+    out = run_cuda_script(["--bench-rollout", "--device", "cuda", "--batch-size", "8", "--response-length", "16",
+                           "--minibatches", "2", "--demo-hidden", "64", "--demo-layers", "2"], tmp_path)
     assert "weights-read bound" in out
     assert re.fullmatch(r"sampler vs generate: \d+\.\d\dx", out.strip().splitlines()[-1])
 
@@ -2239,7 +2250,7 @@ def test_cuda_set_up_sets_the_device_and_the_matmul_precision(tmp_path):
         assert torch.backends.cuda.matmul.allow_tf32 is tf32 and run.policy.device == torch.device("cuda:0")
         assert torch.cuda.current_device() == 0
     if torch.cuda.device_count() > 1:  # --device cuda:1 in one process: Triton, streams, graphs on device 1
-        out = run_script([*TINY, "--device", "cuda:1", "--output-dir", str(tmp_path / "one")], tmp_path)
+        out = run_cuda_script([*TINY, "--device", "cuda:1", "--output-dir", str(tmp_path / "one")], tmp_path)
         assert "on cuda:1" in out
 
 
