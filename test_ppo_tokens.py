@@ -1,9 +1,14 @@
 """Tests for ppo_tokens.py and kernels.py: every numeric piece against a plain reference (float64 where it matters),
 every PPO detail with a test that fails when it breaks, and the real entry point on tiny budgets.
 Run: python -m pytest -q test_ppo_tokens.py   (CPU: Triton kernels run under TRITON_INTERPRET=1; on a CUDA machine the
-kernel tests run compiled on the GPU)"""
+kernel tests run compiled on the GPU)
+The slow tier (the longer demo run, kill -9 and resume, torchrun, torch.compile) runs only with PPO_TOKENS_SLOW=1, as
+CI (.ci/run) runs it: PPO_TOKENS_SLOW=1 python -m pytest -q test_ppo_tokens.py"""
 import os
 
+# One intra-op thread, here and in every subprocess (which inherit it): the tiny models gain nothing from more, and on
+# a busy 2-core machine more threads, plus the loop's sampler thread, made the same tests up to 20x slower.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch
 
 if not torch.cuda.is_available():
@@ -11,6 +16,8 @@ if not torch.cuda.is_available():
 KERNEL_DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 os.environ["PPO_TOKENS_STRICT"] = "1"  # a fast path that falls back is an error (fall_back), here and in subprocesses
 
+import contextlib
+import io
 import json
 import math
 import re
@@ -28,6 +35,8 @@ kernels = pt.kernels  # kernels.py, imported by ppo_tokens under its own name (t
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "ppo_tokens.py")
+slow = pytest.mark.skipif(os.environ.get("PPO_TOKENS_SLOW") != "1",
+                          reason="slow tier: PPO_TOKENS_SLOW=1 runs it (CI does)")
 
 
 def tiny_llama(vocab_size, seed=0, dtype=torch.float64, **overrides):
@@ -42,6 +51,30 @@ def tiny_llama(vocab_size, seed=0, dtype=torch.float64, **overrides):
 @pytest.fixture(scope="module")
 def tokenizer():
     return pt.build_demo_tokenizer()
+
+
+def forget_modules_from(directory):  # reward modules a run imported from its directory: the next run imports its own
+    directory = os.path.join(os.path.abspath(directory), "")
+    for name, module in list(sys.modules.items()):
+        if (getattr(module, "__file__", None) or "").startswith(directory):
+            del sys.modules[name]
+
+
+@pytest.fixture(autouse=True)
+def same_start(tmp_path_factory):
+    """Every test starts from the same global state, whatever ran before it: in-process runs of main() seed torch's
+    global generator, put their working directory on sys.path and import reward modules from it; pt.setup() sets
+    the TF32 switch and the current CUDA device."""
+    torch.manual_seed(0)
+    threads, path, tf32 = torch.get_num_threads(), sys.path[:], torch.backends.cuda.matmul.allow_tf32
+    cuda_device = torch.cuda.current_device() if torch.cuda.is_initialized() else 0
+    yield
+    torch.set_num_threads(threads)
+    sys.path[:] = path
+    forget_modules_from(tmp_path_factory.getbasetemp())
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    if torch.cuda.is_initialized():
+        torch.cuda.set_device(cuda_device)
 
 
 def demo_rollout(tokenizer, policy, texts, temperature=1.0, top_k=0, top_p=1.0, T=4, seed=0):
@@ -277,11 +310,13 @@ def make_kept(tokens, vocab, k, drop_sampled=()):
 
 def ragged_batch(tokenizer, n=7, T=6, seed=0):  # prompts of 3..12 tokens, responses of 1..T tokens
     g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(5, len(tokenizer), (int(k),), generator=g).tolist() for k in torch.randint(3, 13, (n,), generator=g)]
+    prompt_lengths = torch.randint(3, 13, (n,), generator=g)
+    prompts = [torch.randint(5, len(tokenizer), (int(k),), generator=g).tolist() for k in prompt_lengths]
     ids, mask = pt.left_pad(prompts, tokenizer.pad_token_id, "cpu")
     lengths = torch.cat([torch.tensor([1, T]), torch.randint(1, T + 1, (n - 2,), generator=g)])  # a length-1 response
     response_mask = (torch.arange(T)[None] < lengths[:, None]).long()
-    response = torch.where(response_mask.bool(), torch.randint(5, len(tokenizer), (n, T), generator=g), tokenizer.pad_token_id)
+    tokens = torch.randint(5, len(tokenizer), (n, T), generator=g)
+    response = torch.where(response_mask.bool(), tokens, tokenizer.pad_token_id)
     return pt.Rollout(ids, mask, response, response_mask, None, None, None)
 
 
@@ -306,7 +341,8 @@ def test_packed_scoring_equals_padded_scoring(tokenizer, family):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
         assert (a[~batch.response_mask.bool()] == 0).all()
     # the critic is float32 (build_critic): float32 rounding
-    torch.testing.assert_close(pt.critic_values(critic, batch, pt.packed_inputs(batch)), padded_values, rtol=0, atol=1e-5)
+    packed_values = pt.critic_values(critic, batch, pt.packed_inputs(batch))
+    torch.testing.assert_close(packed_values, padded_values, rtol=0, atol=1e-5)
     cfg = SimpleNamespace(temperature=0.8, full_logits=True, micro_batch_tokens=64)  # the full-logits path packs too
     torch.testing.assert_close(pt.rollout_logprobs(policy, batch, cfg)[0], padded[0], rtol=0, atol=1e-10)
     from transformers import MistralConfig, MistralForCausalLM  # sliding windows are refused, not silently ignored
@@ -340,12 +376,19 @@ def test_reward_model_scores_at_last_token_with_same_or_different_tokenizer(toke
     other.chat_template = ("{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}{% if m['role'] == 'assistant' "
                            "%}<eos>{% endif %}{% endfor %}")
     texts, render = [], other.apply_chat_template
-    other.apply_chat_template = lambda *a, **k: texts.append(render(*a, **k)) or texts[-1]
+
+    def recorded(*args, **kwargs):  # the texts the reward model is given
+        texts.append(render(*args, **kwargs))
+        return texts[-1]
+
+    other.apply_chat_template = recorded
     batch.ended = torch.tensor([True, False, True])
     pt.reward_model_scores(rm, other, tokenizer, batch, True, 2)
     assert texts == ["u:1+2=a:3<eos>", "u:37+45=a:82", "u:9+90=a:<eos>"]
-    other.chat_template = other.chat_template.replace("m['content']", "m['content'][1:]")  # rewrites the turn (as
-    texts.clear()  # templates that drop a <think> part): it cannot stay open, so it is closed, not a crash
+    # a template that rewrites the turn (as those that drop a <think> part): it cannot stay open, so it is closed,
+    # not a crash
+    other.chat_template = other.chat_template.replace("m['content']", "m['content'][1:]")
+    texts.clear()
     pt.reward_model_scores(rm, other, tokenizer, batch, True, 2)
     assert texts[-2:] == ["u:7+45=a:2<eos>", "u:+90=a:<eos>"]
 
@@ -436,7 +479,8 @@ def test_kl_in_the_reward_and_identical_reference_gives_zero_kl(tokenizer):
     assert float(kl.abs().max()) == 0.0  # reference == policy: no penalty
     cfg, policy, reference, critic, batch = tiny_setup(tokenizer, kl_coef=0.1, kl_estimator="k3")
     kl = score(batch, policy, reference, critic, constant_reward(0.0), cfg)
-    expected = torch.where(batch.response_mask.bool(), -0.1 * pt.kl_estimate(batch.old_logprobs, batch.ref_logprobs, "k3"), 0.0)
+    k3 = pt.kl_estimate(batch.old_logprobs, batch.ref_logprobs, "k3")
+    expected = torch.where(batch.response_mask.bool(), -0.1 * k3, 0.0)
     torch.testing.assert_close(batch.rewards, expected)
     assert (kl >= 0).all() and float(kl.max()) > 0
 
@@ -792,9 +836,10 @@ def test_adamw_eps_and_linear_lr_decay(tokenizer):
 def test_token_budget_micro_batches_cover_every_token_once(tokenizer):
     cfg = pt.Config(batch_size=28, minibatches=2, micro_batch_tokens=40)
     g = torch.Generator().manual_seed(1)
-    batch = pt.Rollout(torch.ones(28, 12, dtype=torch.long), (torch.arange(12) >= 12 - torch.randint(1, 13, (28, 1), generator=g)).long(),
-                       torch.ones(28, 9, dtype=torch.long), (torch.arange(9) < torch.randint(1, 10, (28, 1), generator=g)).long(),
-                       None, None, None)
+    prompt_mask = (torch.arange(12) >= 12 - torch.randint(1, 13, (28, 1), generator=g)).long()  # 1..12 real tokens
+    response_mask = (torch.arange(9) < torch.randint(1, 10, (28, 1), generator=g)).long()  # 1..9 real tokens
+    batch = pt.Rollout(torch.ones(28, 12, dtype=torch.long), prompt_mask, torch.ones(28, 9, dtype=torch.long),
+                       response_mask, None, None, None)
     lengths = (batch.prompt_mask.sum(1) + batch.response_mask.sum(1)).tolist()
     order = torch.randperm(28, generator=g)
     groups = pt.micro_batch_rows(batch, order.split(14), cfg)
@@ -810,9 +855,13 @@ def test_token_budget_micro_batches_cover_every_token_once(tokenizer):
 
 def test_packed_training_matches_padded_training(tokenizer, monkeypatch):
     results, sizes = [], []
-    packed_inputs = pt.packed_inputs  # count the packed micro-batches and their real tokens
-    monkeypatch.setattr(pt, "packed_inputs", lambda b: (sizes.append(int(b.prompt_mask.sum() + b.response_mask.sum())),
-                                                        packed_inputs(b))[1])
+    packed_inputs = pt.packed_inputs
+
+    def counted(b):  # count the packed micro-batches and their real tokens
+        sizes.append(int(b.prompt_mask.sum() + b.response_mask.sum()))
+        return packed_inputs(b)
+
+    monkeypatch.setattr(pt, "packed_inputs", counted)
     for packed in (False, True):
         cfg, policy, reference, critic, batch = tiny_setup(tokenizer, **({"micro_batch_tokens": 20} if packed else {}))
         if packed:
@@ -829,7 +878,8 @@ def test_packed_training_matches_padded_training(tokenizer, monkeypatch):
     (a, sa, wa), (b, sb, wb) = results
     # --micro-batch-tokens 20 is honoured: more micro-batches than minibatches (2 minibatches of 4 rows, ~39 tokens
     # each, in the reference's, the trainer's and 2 epochs' passes), none over 20 real tokens, every token 4 times
-    assert len(sizes) > 2 * 4 and max(sizes) <= 20 and sum(sizes) == 4 * int(b.prompt_mask.sum() + b.response_mask.sum())
+    n_tokens = int(b.prompt_mask.sum() + b.response_mask.sum())
+    assert len(sizes) > 2 * 4 and max(sizes) <= 20 and sum(sizes) == 4 * n_tokens
     for name in ("old_logprobs", "values", "advantages"):
         torch.testing.assert_close(getattr(b, name), getattr(a, name), rtol=1e-4, atol=1e-5)
     for k in ("pg_loss", "vf_loss", "entropy"):
@@ -847,7 +897,12 @@ def test_gradient_checkpointing_and_bf16_autocast_keep_the_update(tokenizer):
             pt.checkpoint_layers(model)
         mlp = pt.decoder_layers(policy)[0].mlp
         forward = mlp.forward
-        mlp.forward = lambda *a, **k: (calls.append(torch.is_grad_enabled()), forward(*a, **k))[1]
+
+        def recorded(*args, **kwargs):  # whether each call of the first MLP builds a graph
+            calls.append(torch.is_grad_enabled())
+            return forward(*args, **kwargs)
+
+        mlp.forward = recorded
 
     _, checkpointed, _ = sgd_update(tokenizer, prepare=checkpoint, ppo_epochs=1, minibatches=1)
     assert calls == [False, True, True]  # scoring, the training forward, its recomputation in the backward
@@ -855,9 +910,10 @@ def test_gradient_checkpointing_and_bf16_autocast_keep_the_update(tokenizer):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
     stats, bf16, _ = sgd_update(tokenizer, bf16=True, ppo_epochs=1, minibatches=1)
     assert stats["first_ratio_max_dev"] == 0.0  # scoring and the first epoch run under the same autocast
-    flat = lambda steps: torch.cat([s.reshape(-1) for s in steps])
-    assert torch.nn.functional.cosine_similarity(flat(bf16), flat(plain), dim=0) > 0.99
-    assert float((flat(bf16) - flat(plain)).abs().max()) > 1e-5  # autocast did run: bf16 rounding moved the step
+    bf16_step = torch.cat([s.reshape(-1) for s in bf16])
+    plain_step = torch.cat([s.reshape(-1) for s in plain])
+    assert torch.nn.functional.cosine_similarity(bf16_step, plain_step, dim=0) > 0.99
+    assert float((bf16_step - plain_step).abs().max()) > 1e-5  # autocast did run: bf16 rounding moved the step
     for full_logits in (False, True):
         cfg, policy, _, _, batch = tiny_setup(tokenizer, bf16=True, full_logits=full_logits)
         pt.fp32_head(policy)  # what train() does under --bf16
@@ -877,8 +933,10 @@ def test_non_finite_loss_skips_the_update_and_leaves_the_weights_alone(tokenizer
     before = [p.detach().clone() for p in policy.parameters()]
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (policy, critic)]
     stats = pt.ppo_update(policy, critic, *opts, batch, cfg, orders)
-    assert stats["nonfinite"].startswith("policy loss") and "epoch 1 minibatch 1 (after 0 finite steps)" in stats["nonfinite"]
-    assert all(torch.equal(p, b) for p, b in zip(policy.parameters(), before)) and all(p.grad is None for p in policy.parameters())
+    assert stats["nonfinite"].startswith("policy loss")
+    assert "epoch 1 minibatch 1 (after 0 finite steps)" in stats["nonfinite"]
+    assert all(torch.equal(p, b) for p, b in zip(policy.parameters(), before))
+    assert all(p.grad is None for p in policy.parameters())
     assert pt.nonfinite(batch) == "advantages in rows [0, 1, 2, 3, 4, 5, 6, 7] of 8"
     batch.behav_logprobs[3, 1] = float("nan")  # a sampler whose logits went NaN (its draws are not checked)
     assert pt.nonfinite(batch) == "behav_logprobs in rows [3] of 8"
@@ -889,9 +947,26 @@ def test_non_finite_loss_skips_the_update_and_leaves_the_weights_alone(tokenizer
 # staleness 0 and 1, in-flight updates, sampler errors and SIGTERM)
 
 
-def run_script(args, cwd, timeout=300):
-    proc = subprocess.run([sys.executable, SCRIPT, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+def run_main(args, cwd):
+    """The entry point run in this process as `python ppo_tokens.py ARGS` runs it in cwd, without a subprocess's seconds
+    of imports: its exit status, stdout and stderr (where the interpreter prints a SystemExit's message)."""
+    out, err = io.StringIO(), io.StringIO()
+    status = 0
+    with contextlib.chdir(cwd), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            pt.main([str(a) for a in args])
+        except SystemExit as e:
+            if e.code is None or isinstance(e.code, int):
+                status = e.code
+            else:  # a message: the interpreter prints it and exits with status 1
+                print(e.code, file=sys.stderr)
+                status = 1
+    forget_modules_from(cwd)
+    return subprocess.CompletedProcess(args, status or 0, out.getvalue(), err.getvalue())
+
+
+def run_script(args, cwd):
+    proc = run_main(args, cwd)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
 
@@ -923,14 +998,15 @@ TINY = ["--batch-size", "16", "--minibatches", "2", "--micro-batch-size", "4", "
         "--eval-every", "2", "--demo-warmup-max-steps", "0", "--sample-every", "2", "--device", "cpu"]  # (bit-exact)
 
 
+@slow
 def test_demo_learns_a_little_in_a_few_iterations(tmp_path):
     """A shortened default demo (the full one is in the README): after the real warm-up, the reward mean rises."""
-    out = run_script(["--steps", "24", "--eval-every", "12", "--eval-size", "500", "--sample-every", "0", "--device", "cpu",
-                      "--output-dir", str(tmp_path / "run"), "--demo-cache", str(tmp_path / "cache")], tmp_path, 600)
+    out = run_script(["--steps", "24", "--eval-every", "12", "--eval-size", "500", "--sample-every", "0", "--device",
+                      "cpu", "--output-dir", str(tmp_path / "run"), "--demo-cache", str(tmp_path / "cache")], tmp_path)
     records = [r for r in read_metrics(tmp_path / "run") if r["step"] > 0]
-    first, last = records[:6], records[-6:]
-    mean = lambda rs: sum(r["reward_mean"] for r in rs) / len(rs)
-    assert mean(last) > mean(first) + 0.03, (mean(first), mean(last), out[-2000:])
+    first = statistics.fmean(r["reward_mean"] for r in records[:6])
+    last = statistics.fmean(r["reward_mean"] for r in records[-6:])
+    assert last > first + 0.03, (first, last, out[-2000:])
     assert "warm-up:" in out and "held-out sampled accuracy" in out
 
 
@@ -953,7 +1029,8 @@ def test_model_directory_prompts_file_and_reward_function(tmp_path, tokenizer):
     """--model DIR (with a chat template) + --prompts JSONL + --reward module:function, through the real CLI."""
     import copy
     tok = copy.deepcopy(tokenizer)
-    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}={% endif %}"
+    tok.chat_template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                         "{% if add_generation_prompt %}={% endif %}")
     model = tiny_llama(len(tok) + 8, dtype=torch.float32)  # spare embedding rows, as many real vocabularies have
     model.save_pretrained(tmp_path / "policy_in")
     tok.save_pretrained(tmp_path / "policy_in")
@@ -992,8 +1069,8 @@ def test_a_tokenizer_without_pad_and_a_reward_model_of_the_same_vocabulary(tmp_p
     with open(tmp_path / "prompts.jsonl", "w") as f:
         f.writelines(json.dumps({"prompt": f"{a}+{a * 37}="}) + "\n" for a in range(20))  # ragged: left pads
     run_script([*TINY, "--model", str(tmp_path / "policy_in"), "--prompts", str(tmp_path / "prompts.jsonl"),
-                "--reward-model", str(tmp_path / "rm"), "--response-length", "5", "--output-dir", str(tmp_path / "run")],
-               tmp_path)
+                "--reward-model", str(tmp_path / "rm"), "--response-length", "5",
+                "--output-dir", str(tmp_path / "run")], tmp_path)
     records = check_outputs(tmp_path / "run", 3)
     assert all(math.isfinite(r["reward_mean"]) for r in records)
 
@@ -1060,8 +1137,9 @@ def test_inflight_updates_tag_each_token_with_its_version(tokenizer):
 
     ids, mask = pt.left_pad(pt.format_prompts(tokenizer, ["1+2=", "37+45="], False, 64), tokenizer.pad_token_id, "cpu")
     eos = 999  # never sampled: every row runs all 5 steps
-    batch = pt.generate(sampler, ids, mask, max_new_tokens=5, temperature=1.0, stop_ids=eos, pad_id=tokenizer.pad_token_id,
-                        generator=torch.Generator().manual_seed(0), between_steps=between_steps)
+    batch = pt.generate(sampler, ids, mask, max_new_tokens=5, temperature=1.0, stop_ids=eos,
+                        pad_id=tokenizer.pad_token_id, generator=torch.Generator().manual_seed(0),
+                        between_steps=between_steps)
     assert batch.policy_version.tolist() == [[0, 0, 1, 1, 1]] * 2  # a mixed-version sequence
     assert all(torch.equal(p, q) for p, q in zip(policy.parameters(), sampler.parameters()))
     # the first two tokens' behaviour log-probs come from version 0: rescoring with version 0 reproduces them
@@ -1113,15 +1191,18 @@ def test_sampler_errors_and_sigterm_stop_the_run_without_a_hung_thread(tmp_path,
             break
     assert seen, "the run did not reach iteration 2"
     proc.send_signal(signal.SIGTERM)
-    t0 = time.time()
     out, _ = proc.communicate(timeout=60)
-    assert time.time() - t0 < 20 and proc.returncode == 0, out[-2000:]  # stopped, promptly, with a checkpoint
+    # stopped promptly, with a checkpoint: after the iteration the signal came in (at most one more "it" line), and the
+    # sampler thread joined (not left behind by close()'s timeout); counted in iterations, not in seconds
+    after = out[out.index("SIGTERM: finishing this iteration"):]
+    assert proc.returncode == 0 and after.count("\nit ") <= 1 and "did not stop" not in out, out[-2000:]
     (checkpoint,) = pt.checkpoints(tmp_path / "run2")
     assert "stopped by SIGTERM after iteration" in out and f"--resume {checkpoint}" in out
     state = load_into_fresh_models(checkpoint)
     assert state["step"] >= 2 and not any(t.name == "ppo_tokens-sampler" for t in threading.enumerate())
 
 
+@slow
 def test_critic_free_runs_sample_groups_hold_no_critic_and_resume_to_the_same_weights(tmp_path):
     from safetensors.torch import load_file
     (tmp_path / "grouped.py").write_text(
@@ -1152,9 +1233,13 @@ def test_critic_free_runs_sample_groups_hold_no_critic_and_resume_to_the_same_we
 
 def test_dropout_is_off_in_every_model():
     model = tiny_llama(16, attention_dropout=0.5, dtype=torch.float32).train()
-    model.model.layers[0].mlp.add_module("drop", torch.nn.Dropout(0.5))  # a dropout module too
-    model.model.layers[0].mlp.forward = (lambda mlp: lambda x: mlp.drop(mlp.down_proj(
-        mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))))(model.model.layers[0].mlp)
+    mlp = model.model.layers[0].mlp
+    mlp.add_module("drop", torch.nn.Dropout(0.5))  # a dropout module too
+
+    def forward_with_dropout(x):  # LlamaMLP.forward, then the dropout
+        return mlp.drop(mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x)))
+
+    mlp.forward = forward_with_dropout
     x = torch.randint(0, 16, (2, 8))
     assert not torch.equal(model(x).logits, model(x).logits)  # dropout active: the test can fail
     pt.disable_dropout(model)
@@ -1169,7 +1254,8 @@ def test_critic_starts_at_zero_or_from_the_reward_model(tokenizer):
     assert (critic(ids, mask, pt.positions(mask)) == 0).all()  # zero head: first advantages are the rewards
     assert all(p.requires_grad for p in critic.parameters())
     assert all(a.data_ptr() != b.data_ptr() for a, b in zip(critic.backbone.parameters(), policy.model.parameters()))
-    rm = pt.ScalarHeadModel(tiny_llama(len(tokenizer), seed=5, dtype=torch.float32).model, torch.nn.Linear(32, 1, bias=False))
+    rm = pt.ScalarHeadModel(tiny_llama(len(tokenizer), seed=5, dtype=torch.float32).model,
+                            torch.nn.Linear(32, 1, bias=False))
     from_rm = pt.build_critic(policy, rm, same_tokenizer=True)
     torch.testing.assert_close(from_rm(ids, mask, pt.positions(mask)), rm(ids, mask, pt.positions(mask)))
     assert (pt.build_critic(policy, rm, same_tokenizer=False)(ids, mask, pt.positions(mask)) == 0).all()
@@ -1192,9 +1278,11 @@ def test_hybrid_models_sample_with_their_own_cache_and_scoring_agrees(tokenizer)
     torch.testing.assert_close(logprobs, batch.behav_logprobs, rtol=0, atol=1e-8)
 
 
-@pytest.mark.parametrize("family,dtype,top_k,compiled", [("llama", torch.float64, 0, False), ("llama", torch.float32, 5, False),
-                                                         ("gpt2", torch.float64, 0, False), ("sliding", torch.float64, 0, False),
-                                                         ("llama", torch.float32, 0, True)])
+@pytest.mark.parametrize("family,dtype,top_k,compiled", [("llama", torch.float64, 0, False),
+                                                         ("llama", torch.float32, 5, False),
+                                                         ("gpt2", torch.float64, 0, False),
+                                                         ("sliding", torch.float64, 0, False),
+                                                         pytest.param("llama", torch.float32, 0, True, marks=slow)])
 def test_fast_sampler_gives_the_plain_loops_tokens_and_logprobs(tokenizer, family, dtype, top_k, compiled, capsys,
                                                                monkeypatch):
     if family == "sliding":  # a window shorter than the cache: refused, the plain loop samples (its own masks)
@@ -1217,15 +1305,25 @@ def test_fast_sampler_gives_the_plain_loops_tokens_and_logprobs(tokenizer, famil
     assert ("fast sampler off for MistralForCausalLM (sliding-window layers" in out) == (family == "sliding")
     assert "torch.compile off" not in out
     assert (family != "sliding" and decoder.decode is not policy and decoder.prefill is not policy) == compiled
-    sample = lambda sampler: pt.generate(sampler, ids, mask, max_new_tokens=10, temperature=0.9, stop_ids=tokenizer.eos_token_id,
-                                         pad_id=tokenizer.pad_token_id, generator=torch.Generator().manual_seed(7), top_k=top_k)
+    sampling = dict(max_new_tokens=10, temperature=0.9, stop_ids=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
+                    top_k=top_k)
+
+    def sample(sampler):  # from the same seed each time
+        return pt.generate(sampler, ids, mask, **sampling, generator=torch.Generator().manual_seed(7))
+
+    def in_a_sampler_thread():  # one intra-op thread, like the Producer's: the compiled code runs, not a recompile
+        torch.set_num_threads(1)
+        batches.extend(sample(decoder) for _ in range(2))
+        # then capture()'s warm-up prompt (on CUDA), as fast_decoder calls it: 2 tokens, not a length-1 prefill the
+        # compile specialises on
+        with torch.no_grad():
+            decoder.warm_up()
+
     batches = [sample(policy)]
-    if compiled:  # in a thread with one intra-op thread, like the Producer's: the compiled code runs, not a recompile
+    if compiled:
         from torch._dynamo.utils import counters
         graphs = counters["stats"]["unique_graphs"]
-        # then capture()'s warm-up prompt (on CUDA): 2 tokens, not a length-1 prefill the compile specialises on
-        thread = threading.Thread(target=lambda: (torch.set_num_threads(1), batches.extend(sample(decoder) for _ in range(2)),
-                                                  torch.no_grad()(decoder.warm_up)()))  # (as fast_decoder calls it)
+        thread = threading.Thread(target=in_a_sampler_thread)
         thread.start()
         thread.join()
         assert counters["stats"]["unique_graphs"] == graphs
@@ -1233,7 +1331,8 @@ def test_fast_sampler_gives_the_plain_loops_tokens_and_logprobs(tokenizer, famil
         batches += [sample(decoder), sample(decoder)]  # the decoder twice: its cache is reused between batches
     assert not batches[0].response_mask.all()  # some rows ended early: pads after EOS
     for fast in batches[1:]:
-        assert torch.equal(fast.response, batches[0].response) and torch.equal(fast.response_mask, batches[0].response_mask)
+        assert torch.equal(fast.response, batches[0].response)
+        assert torch.equal(fast.response_mask, batches[0].response_mask)
         # the same tokens; the log-probs differ only by the attention's rounding over the longer preallocated cache
         torch.testing.assert_close(fast.behav_logprobs, batches[0].behav_logprobs, rtol=0,
                                    atol=1e-12 if dtype == torch.float64 else 1e-5)
@@ -1255,26 +1354,34 @@ def test_a_groups_shared_prompt_is_prefilled_once_and_samples_the_plain_loops_to
         batches = []
         for sampler in (policy, decoder):
             forwards.clear()
-            batches.append(pt.generate(sampler, ids, mask, max_new_tokens=8, temperature=0.9, pad_id=tokenizer.pad_token_id,
-                                       stop_ids=tokenizer.eos_token_id, generator=torch.Generator().manual_seed(7)))
+            batches.append(pt.generate(sampler, ids, mask, max_new_tokens=8, temperature=0.9,
+                                       pad_id=tokenizer.pad_token_id, stop_ids=tokenizer.eos_token_id,
+                                       generator=torch.Generator().manual_seed(7)))
         assert [f for f in forwards if f[1] > 1] == [(prefill_rows, ids.shape[1])]  # the decoder's one prefill
         assert torch.equal(batches[1].response, batches[0].response)
         torch.testing.assert_close(batches[1].behav_logprobs, batches[0].behav_logprobs, rtol=0, atol=1e-12)
     hook.remove()
 
 
+@slow
 def test_a_compiled_shared_prefill_does_not_recompile_in_the_sampler_thread(tokenizer):
-    """One row per group (a rank's rows = --samples-per-prompt): the shared prefill's 1-row batch is compiled at start-up
-    under the sampler thread's one intra-op thread, so the thread's batches run the compiled code as they are."""
+    """One row per group (a rank's rows = --samples-per-prompt): the shared prefill's 1-row batch is compiled at
+    start-up under the sampler thread's one intra-op thread, so the thread's batches run the compiled code as they
+    are."""
     from torch._dynamo.utils import counters
     policy = tiny_llama(len(tokenizer), seed=2, dtype=torch.float32)
     decoder = pt.fast_decoder(policy, 4, 20, pt.PlainDecoder, compiled=True, threads=1, group=4)
     assert decoder.shared is not None and decoder.prefill is not policy
     ids, mask = pt.left_pad(pt.format_prompts(tokenizer, ["37+45="] * 4, False, 64), tokenizer.pad_token_id, "cpu")
     graphs = counters["stats"]["unique_graphs"]
-    sample = lambda: pt.generate(decoder, ids, mask, max_new_tokens=5, temperature=1.0, stop_ids=tokenizer.eos_token_id,
-                                 pad_id=tokenizer.pad_token_id, generator=torch.Generator().manual_seed(0))
-    thread = threading.Thread(target=lambda: (torch.set_num_threads(1), sample(), sample()))
+
+    def in_a_sampler_thread():  # one intra-op thread, like the Producer's
+        torch.set_num_threads(1)
+        for _ in range(2):
+            pt.generate(decoder, ids, mask, max_new_tokens=5, temperature=1.0, stop_ids=tokenizer.eos_token_id,
+                        pad_id=tokenizer.pad_token_id, generator=torch.Generator().manual_seed(0))
+
+    thread = threading.Thread(target=in_a_sampler_thread)
     thread.start()
     thread.join()
     assert counters["stats"]["unique_graphs"] == graphs
@@ -1300,7 +1407,8 @@ def test_flash_attn_is_imported_to_detect_it_and_packing_is_checked_under_autoca
     monkeypatch.delenv("PPO_TOKENS_STRICT")
     kernels.flash_attn_varlen.cache_clear()
     try:
-        assert kernels.flash_attn_varlen() is None and "flash-attn is installed but does not import" in capsys.readouterr().out
+        assert kernels.flash_attn_varlen() is None
+        assert "flash-attn is installed but does not import" in capsys.readouterr().out
         kernels.flash_attn_varlen.cache_clear()
         monkeypatch.setenv("PPO_TOKENS_STRICT", "1")
         with pytest.raises(RuntimeError, match="PPO_TOKENS_STRICT=1: flash-attn is installed"):
@@ -1310,7 +1418,8 @@ def test_flash_attn_is_imported_to_detect_it_and_packing_is_checked_under_autoca
         sys.modules.pop("flash_attn", None)
     policy = tiny_llama(16, dtype=torch.float32)
     pt.use_packed_attention(policy.model, bf16=True)  # packed == padded in fp32 and under bf16 autocast
-    attention = kernels.ppo_attention  # a packed path that only goes wrong under autocast (as a broken flash-attn would)
+    # a packed path that only goes wrong under autocast (as a broken flash-attn would)
+    attention = kernels.ppo_attention
 
     def broken(module, query, *args, packed_layout=None, **kwargs):
         out, _ = attention(module, query, *args, packed_layout=packed_layout, **kwargs)
@@ -1331,9 +1440,8 @@ def test_flash_attn_is_imported_to_detect_it_and_packing_is_checked_under_autoca
 
 def test_bad_reward_function_output_is_a_clear_error(tmp_path):
     (tmp_path / "bad_rewards.py").write_text("def short(prompts, completions):\n    return [1.0]\n")
-    proc = subprocess.run([sys.executable, SCRIPT, *TINY, "--reward", "bad_rewards:short", "--output-dir",
-                           str(tmp_path / "run"), "--demo-cache", str(tmp_path / "cache")], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300)
+    proc = run_main([*TINY, "--reward", "bad_rewards:short", "--output-dir", str(tmp_path / "run"), "--demo-cache",
+                     str(tmp_path / "cache")], tmp_path)
     assert proc.returncode != 0 and "returned 1 scores for 16 completions" in proc.stderr
 
 
@@ -1377,11 +1485,12 @@ def write_killer_module(path):  # a reward that kills its own process (kill -9) 
                                     "    return [c.count('1') / 4 for c in completions]\n")
 
 
-def run_raw(args, cwd, **env):
+def run_raw(args, cwd, **env):  # a process of its own, for what only a process shows (kill -9)
     return subprocess.run([sys.executable, SCRIPT, *args], cwd=cwd, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONUNBUFFERED": "1", **env})
 
 
+@slow
 def test_resume_after_kill_ends_with_the_same_weights_as_an_uninterrupted_run(tmp_path):
     from safetensors.torch import load_file
     write_killer_module(tmp_path)
@@ -1399,10 +1508,11 @@ def test_resume_after_kill_ends_with_the_same_weights_as_an_uninterrupted_run(tm
     for key in ("pg_loss", "vf_loss", "reward_mean", "lr", "kl"):
         assert [r.get(key) for r in a] == [r.get(key) for r in b], key
     assert [os.path.basename(c) for c in pt.checkpoints(tmp_path / "part")] == ["step-00000003", "step-00000004"]
-    refused = run_raw([*args, "--output-dir", str(tmp_path / "part")], tmp_path)  # a finished run, without --resume
+    refused = run_main([*args, "--output-dir", str(tmp_path / "part")], tmp_path)  # a finished run, without --resume
     assert refused.returncode == 1 and "already holds a run" in refused.stderr and "--resume" in refused.stderr
 
 
+@slow
 def test_a_kill_while_writing_a_checkpoint_leaves_the_previous_one_whole(tmp_path):
     write_reward_module(tmp_path)
     (tmp_path / "kill_in_second_checkpoint.py").write_text(  # kill -9 after its files, before DCP's .metadata
@@ -1446,8 +1556,8 @@ def test_non_finite_rewards_skip_updates_then_stop_with_the_last_good_checkpoint
     (tmp_path / "nan_later.py").write_text("calls = 0\ndef score(prompts, completions):\n    global calls\n"
                                            "    calls += 1\n    return [float('nan') if calls > 2 else 0.5] * len(completions)\n")
     args = [a if a != "count_ones:score" else "nan_later:score" for a in LOOP]
-    proc = run_raw([*args, "--steps", "6", "--save-every", "1", "--max-bad-steps", "2", "--output-dir",
-                    str(tmp_path / "run")], tmp_path)
+    proc = run_main([*args, "--steps", "6", "--save-every", "1", "--max-bad-steps", "2", "--output-dir",
+                     str(tmp_path / "run")], tmp_path)
     assert proc.returncode == 1 and "stopping: 2 consecutive updates skipped for non-finite values" in proc.stderr
     assert "the last good checkpoint is" in proc.stderr and "step-00000002" in proc.stderr.splitlines()[-1]
     assert "update skipped: non-finite scores in rows [0, 1, 2, 3, 4, 5, 6, 7] ... of 16" in proc.stdout
@@ -1522,6 +1632,7 @@ def unequal_shares(rank: int):  # (x, mask): a rank's share of a logged statisti
     return x, mask
 
 
+@slow
 def test_whitening_and_the_first_update_do_not_depend_on_the_world_size(tmp_path):
     torchrun([os.path.abspath(__file__), str(tmp_path / "world2.pt")], tmp_path)
     # the logged statistics over the rows in the loss: the mean over both ranks' elements, not of the ranks' means
@@ -1545,6 +1656,7 @@ def test_whitening_and_the_first_update_do_not_depend_on_the_world_size(tmp_path
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
+@slow
 def test_torchrun_critic_free_ddp_and_fsdp2_train_and_resume(tmp_path):
     write_reward_module(tmp_path)
     base = [digest_script(tmp_path), *LOOP, "--steps", "3", "--save-every", "2", "--samples-per-prompt", "4"]
@@ -1562,6 +1674,7 @@ def test_torchrun_critic_free_ddp_and_fsdp2_train_and_resume(tmp_path):
             assert "step-00000002 after iteration 2/3" in resumed and digests(resumed) == full, name
 
 
+@slow
 def test_torchrun_two_ranks_ddp_and_fsdp2_train_resume_and_stay_identical(tmp_path):
     from transformers import AutoModelForCausalLM
     write_reward_module(tmp_path)
@@ -1618,7 +1731,8 @@ def test_bench_rollout_runs_and_ends_with_the_ratio_line(tmp_path):  # the entry
     out = run_script(["--bench-rollout", "--batch-size", "8", "--response-length", "3", "--minibatches", "2",
                       "--demo-hidden", "32", "--demo-layers", "1", "--device", "cpu", "--advantage", "rloo",
                       "--samples-per-prompt", "2"], tmp_path)  # critic-free: the update benchmark builds no critic
-    assert "packed" in out and "shared prefill" in out and out.strip().splitlines()[-1].startswith("sampler vs generate: ")
+    assert "packed" in out and "shared prefill" in out
+    assert out.strip().splitlines()[-1].startswith("sampler vs generate: ")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1709,10 +1823,14 @@ def test_bad_input_is_refused_with_one_clear_line(tmp_path, capsys, monkeypatch,
     tokenizer.save_pretrained(tmp_path / "mamba")
     os.makedirs(tmp_path / "old_run/checkpoints/step-00000003")
     base = [*LOOP, "--steps", "1"]
-    with_prompts = lambda f: [*base, "--prompts", str(tmp_path / f)]
+
+    def with_prompts(name):
+        return [*base, "--prompts", str(tmp_path / name)]
+
     (tmp_path / "good.jsonl").write_text(json.dumps({"prompt": "1+1"}) + "\n")
     capsys.readouterr()
-    cases = [([*with_prompts("good.jsonl"), "--model", str(tmp_path / "nowhere")], 1, f"--model {tmp_path / 'nowhere'}: cannot load"),
+    cases = [([*with_prompts("good.jsonl"), "--model", str(tmp_path / "nowhere")], 1,
+              f"--model {tmp_path / 'nowhere'}: cannot load"),
              ([*base, "--reward", "", "--reward-model", "nowhere"], 2, "--reward-model nowhere: no such directory"),
              ([*base, "--prompts", "nowhere.jsonl"], 2, "--prompts nowhere.jsonl: no such file"),
              (with_prompts("binary.jsonl"), 1, "cannot read it as UTF-8 text"),
@@ -1729,8 +1847,8 @@ def test_bad_input_is_refused_with_one_clear_line(tmp_path, capsys, monkeypatch,
              ([*with_prompts("good.jsonl"), "--model", str(tmp_path / "mamba")], 1, "mamba is not supported"),
              ([*base, "--batch-size", "15"], 2, "--batch-size 15 must be divisible by --minibatches 2"),
              ([*base, "--temperature", "-1"], 2, "--temperature must be > 0"),
-             ([*base, "--output-dir", str(tmp_path / "old_run")], 1, "already holds a run (metrics.jsonl, checkpoints); "
-              "continue it with --resume"),
+             ([*base, "--output-dir", str(tmp_path / "old_run")], 1,
+              "already holds a run (metrics.jsonl, checkpoints); continue it with --resume"),
              ([*base, "--resume", "--output-dir", ""], 2, "--resume needs --output-dir DIR"),
              ([*base, "--resume", str(tmp_path / "nowhere")], 2, "--resume: no whole checkpoint in")]
     if not torch.cuda.is_available():
@@ -1746,7 +1864,8 @@ def test_bad_input_is_refused_with_one_clear_line(tmp_path, capsys, monkeypatch,
     code, err = exit_of(["--resume", str(tmp_path / "old_run"), "--lr", "0.1"], capsys)
     assert code == 2 and "--lr 0.1 differs from the checkpoint's 0.003; drop the flag or start a new run" in err
     ids = pt.format_prompts(tokenizer, ["1" * 70, "12"], False, 30)
-    assert [len(x) for x in ids] == [30, 3] and "1 of 2 prompts are longer than --max-prompt-length 30" in capsys.readouterr().out
+    assert [len(x) for x in ids] == [30, 3]
+    assert "1 of 2 prompts are longer than --max-prompt-length 30" in capsys.readouterr().out
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -2024,6 +2143,12 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 CUDA_LOOP = [*LOOP, "--device", "cuda", "--steps", "3"]  # (the last --device wins)
 
 
+def run_cuda_script(args, cwd):  # a process of its own: a CUDA run's device, TF32 setting, graphs and memory stay there
+    proc = run_raw(args, cwd)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
 def cuda_records(output_dir, steps, ratio_tol=1e-3):
     records = [r for r in read_metrics(output_dir) if r["step"] > 0]
     assert [r["step"] for r in records] == list(range(1, steps + 1))
@@ -2042,7 +2167,7 @@ def cuda_records(output_dir, steps, ratio_tol=1e-3):
                          ids=["sync", "staleness1-inflight", "compiled", "packed-bf16-checkpointed"])
 def test_cuda_entry_point_trains(tmp_path, flags):
     write_reward_module(tmp_path)
-    out = run_script([*CUDA_LOOP, *flags, "--output-dir", str(tmp_path / "run")], tmp_path)
+    out = run_cuda_script([*CUDA_LOOP, *flags, "--output-dir", str(tmp_path / "run")], tmp_path)
     assert "on cuda:0" in out  # (and no fast path fell back: under the strict switch that fails the run)
     cuda_records(tmp_path / "run", 3, ratio_tol=1e-3 if "--bf16" not in flags else 1e-2)
 
@@ -2050,8 +2175,8 @@ def test_cuda_entry_point_trains(tmp_path, flags):
 @cuda
 def test_cuda_critic_free_run_with_the_mismatch_correction(tmp_path):  # the bf16 sampler's drift, corrected
     write_reward_module(tmp_path)
-    run_script([*CUDA_LOOP, "--advantage", "grpo", "--samples-per-prompt", "4", "--mismatch-correction",
-                "--output-dir", str(tmp_path / "run")], tmp_path)
+    run_cuda_script([*CUDA_LOOP, "--advantage", "grpo", "--samples-per-prompt", "4", "--mismatch-correction",
+                     "--output-dir", str(tmp_path / "run")], tmp_path)
     records = [r for r in read_metrics(tmp_path / "run") if r["step"] > 0]
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all(math.isfinite(r[k]) for r in records for k in ("pg_loss", "kl_loss", "grad_norm", "behav_prox_kl"))
@@ -2062,10 +2187,10 @@ def test_cuda_critic_free_run_with_the_mismatch_correction(tmp_path):  # the bf1
 def test_cuda_save_every_then_resume_samples_the_same_next_batch(tmp_path):
     write_reward_module(tmp_path)
     args = [*CUDA_LOOP, "--steps", "4", "--save-every", "2"]
-    run_script([*args, "--output-dir", str(tmp_path / "full")], tmp_path)
+    run_cuda_script([*args, "--output-dir", str(tmp_path / "full")], tmp_path)
     full = cuda_records(tmp_path / "full", 4)
-    run_script(["--resume", str(tmp_path / "full/checkpoints/step-00000002"), "--output-dir", str(tmp_path / "full")],
-               tmp_path)
+    run_cuda_script(["--resume", str(tmp_path / "full/checkpoints/step-00000002"),
+                     "--output-dir", str(tmp_path / "full")], tmp_path)
     resumed = cuda_records(tmp_path / "full", 4)
     # iteration 3 samples from the checkpoint's weights with its generator states: the same tokens and rewards (later
     # updates may differ in the last bits: CUDA's backward kernels are not deterministic)
@@ -2075,9 +2200,10 @@ def test_cuda_save_every_then_resume_samples_the_same_next_batch(tmp_path):
 
 @cuda
 def test_cuda_bench_rollout_runs(tmp_path):
-    out = run_script(["--bench-rollout", "--device", "cuda", "--batch-size", "8", "--response-length", "16",
-                      "--minibatches", "2", "--demo-hidden", "64", "--demo-layers", "2"], tmp_path)
-    assert "weights-read bound" in out and re.fullmatch(r"sampler vs generate: \d+\.\d\dx", out.strip().splitlines()[-1])
+    out = run_cuda_script(["--bench-rollout", "--device", "cuda", "--batch-size", "8", "--response-length", "16",
+                           "--minibatches", "2", "--demo-hidden", "64", "--demo-layers", "2"], tmp_path)
+    assert "weights-read bound" in out
+    assert re.fullmatch(r"sampler vs generate: \d+\.\d\dx", out.strip().splitlines()[-1])
 
 
 @cuda
@@ -2092,14 +2218,17 @@ def test_cuda_fast_sampler_replays_a_captured_graph_with_the_plain_loops_tokens(
     decoder = pt.fast_decoder(policy, len(texts), ids.shape[1] + 12, pt.PlainDecoder, group=group)
     assert isinstance(decoder, pt.StaticDecoder) and decoder.graph is not None and decoder.grouped
     assert (decoder.shared is not None) == (group > 1)
-    sample = lambda sampler: pt.generate(sampler, ids, mask, max_new_tokens=10, temperature=0.9,
-                                         stop_ids=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id,
-                                         generator=torch.Generator("cuda").manual_seed(7))
+
+    def sample(sampler):  # from the same seed each time
+        return pt.generate(sampler, ids, mask, max_new_tokens=10, temperature=0.9, stop_ids=tokenizer.eos_token_id,
+                           pad_id=tokenizer.pad_token_id, generator=torch.Generator("cuda").manual_seed(7))
+
     replayed, again = sample(decoder), sample(decoder)  # the second reuses the cache and the graph
     graph, decoder.graph = decoder.graph, None
     eager = sample(decoder)  # the same decoder without its graph
     decoder.graph = graph
-    kernels.agrees_with_plain_loop(decoder, policy, len(texts), pt.PlainDecoder, group)  # the replayed graph, after two batches, still agrees
+    # the replayed graph, after two batches, still agrees
+    kernels.agrees_with_plain_loop(decoder, policy, len(texts), pt.PlainDecoder, group)
     if dtype == torch.float32:  # fp32: the same tokens as the plain DynamicCache loop (bf16 could flip a near-tie)
         plain = sample(policy)
         for batch in (replayed, again, eager):
@@ -2147,7 +2276,7 @@ def test_cuda_set_up_sets_the_device_and_the_matmul_precision(tmp_path):
         assert torch.backends.cuda.matmul.allow_tf32 is tf32 and run.policy.device == torch.device("cuda:0")
         assert torch.cuda.current_device() == 0
     if torch.cuda.device_count() > 1:  # --device cuda:1 in one process: Triton, streams, graphs on device 1
-        out = run_script([*TINY, "--device", "cuda:1", "--output-dir", str(tmp_path / "one")], tmp_path)
+        out = run_cuda_script([*TINY, "--device", "cuda:1", "--output-dir", str(tmp_path / "one")], tmp_path)
         assert "on cuda:1" in out
 
 
