@@ -2038,23 +2038,22 @@ def find_checkpoint(path: str) -> str:  # --resume PATH: a checkpoint directory,
 
 
 def checkpoint_state(actor, critic, optimizers, schedules, ctx: Dist, sampler_rng, shuffle_generator, **loop) -> dict:
-    """What a checkpoint holds, as DCP saves it, and (with placeholders of the same shapes) loads it in place: the
-    models' and optimizers' state dicts (sharded under FSDP2), the schedules, the shuffling generator, loop (step, ...)
-    and this rank's RNG states under its own key (sampler_rng: the sampling generator's state after the batch)."""
+    """What a checkpoint holds, as DCP saves it and (into placeholders of the same shapes) loads it in place: the state
+    dicts (sharded under FSDP2), loop (step, ...) and this rank's RNG states under its own key."""
     from torch.distributed.checkpoint import state_dict as dcp_state
     rngs = {"sampler_rng": sampler_rng, "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
     state = {**loop, "schedules": [s.state_dict() for s in schedules], "shuffle_rng": shuffle_generator.get_state(),
              f"rank{ctx.rank}": rngs}
     for name, model, optimizer in zip(("actor", "critic"), (actor, critic), optimizers):
-        if model is not None:  # (grpo / rloo: no critic)
+        if model is not None:  # (an estimator without a critic: none)
             state[name], state[f"{name}_optimizer"] = dcp_state.get_state_dict(model, optimizer)
     return state
 
 
 def load_checkpoint(path: str, actor, critic, optimizers, schedules, ctx: Dist = Dist()) -> dict:
-    """Load a checkpoint in place (the policy's parameters stay views of the packed buffer) and restore this rank's
-    RNGs. Returns the loop state (step, first_accuracy, time_s) with the generator states."""
+    """Load a checkpoint in place (the policy's parameters stay views of the packed buffer), restore this rank's RNGs;
+    return the loop state (step, first_accuracy, time_s) and the generators' states."""
     import warnings
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import state_dict as dcp_state
@@ -2128,7 +2127,7 @@ def iteration_record(step, batch: Rollout, kl, stats: dict, cfg: Config, lr, ite
             "kl": kl_means[0],  # per sequence, over the rows in the loss
             "kl_per_token": kl_means[1],
             **stats,  # ppo_update's losses, clip fractions, approx_kl, entropy, grad norms
-            **({} if batch.returns is None else  # (no critic: grpo / rloo)
+            **({} if batch.returns is None else  # (an estimator without a critic)
                {"explained_variance": float(explained_variance(batch.values, batch.returns, batch.response_mask))}),
             "response_length": response_tokens / B,
             "response_tokens": response_tokens,
