@@ -1505,11 +1505,10 @@ def flatten_parameters(model):  # every parameter becomes a view of one flat buf
 
 
 class WeightSync:
-    """Trainer -> sampler weights through packed buffers. publish() (trainer thread) copies the trainer's flat fp32
-    weights into a staging buffer of the sampler's dtype (the copy casts them; under FSDP2 each parameter is gathered
-    into its slice, never a full fp32 copy); pull() (sampler thread, between batches or decode steps) copies staging
-    into the sampler's flat weights. Staging lets the trainer update on while the sampler still generates with the
-    previous version; the lock covers one copy (~1 ms), never a decode or an update."""
+    """Trainer -> sampler weights through packed buffers: publish() (trainer thread) copies the trainer's flat fp32
+    weights into a staging buffer of the sampler's dtype (under FSDP2 each parameter is gathered into its slice);
+    pull() (sampler thread) copies staging into the sampler's flat weights. Staging lets the trainer update on while
+    the sampler still generates with the previous version; the lock covers one copy (~1 ms), never a decode."""
 
     def __init__(self, policy, sampler, sharded=False):
         self.policy = policy
@@ -1560,8 +1559,7 @@ class WeightSync:
 
 class Tracer:
     """Busy and waiting seconds of the trainer and the sampler thread, summed per iteration for the log line; with
-    --trace also a torch.profiler timeline of iterations 2 and 3 (1 warms up): both threads' spans (record_function)
-    and ops, and on CUDA the kernels of both streams; chrome://tracing or ui.perfetto.dev shows it."""
+    --trace also the torch.profiler timeline of iterations 2 and 3 (1 warms up) of both threads."""
 
     def __init__(self, path: str):
         self.totals = {}  # busy / wait seconds per side since the last take()
@@ -1594,9 +1592,6 @@ class Tracer:
             totals, self.totals = self.totals, {}
         return totals
 
-    def write(self):  # the end of the run: the trace of what the schedule recorded so far
-        if self.profiler is not None:
-            self.profiler.stop()
 
 
 class Producer:
@@ -1701,7 +1696,7 @@ class Training:
     critic: nn.Module  # wrapped likewise
     optimizers: tuple  # (the policy's AdamW, the critic's)
     schedules: list  # their learning-rate schedules
-    sync: object  # WeightSync: trainer -> sampler weights
+    sync: WeightSync  # trainer -> sampler weights
     evaluator: nn.Module  # what the demo evaluates: the policy, or under FSDP2 a full copy of the published weights
     rank_rows: slice  # this rank's rows of every batch
     sample_generator: torch.Generator  # sampling, offset per rank
@@ -1716,8 +1711,8 @@ class Training:
     order: object = None  # the prompt order: an endless iterator of prompt indices
     decoder: object = None  # what the sampler generates with (fast_decoder)
     logger: object = None
-    tracer: object = None
-    producer: object = None
+    tracer: Tracer = None
+    producer: Producer = None
     run_start: float = 0.0  # time.time() at which the run (before a resume included) started
     window_start: float = 0.0  # the end of the last iteration: an iteration's window ends at the end of the next
 
@@ -1729,12 +1724,14 @@ class Training:
     def close(self):  # on the way out, also on an error or Ctrl-C: stop and join the sampler, write the trace and log
         if self.producer is not None:
             self.producer.close()
-        self.tracer.write()
+        if self.tracer.profiler is not None:  # the trace of what the profiler's schedule recorded so far
+            self.tracer.profiler.stop()
         self.logger.close()
 
 
 def start_training(cfg: Config, run, output_dir: str, threaded, ctx: Dist) -> Training:
-    """train()'s state: the sampler copy and its weight sync, the trained models and optimizers, a resume."""
+    """train()'s state: the sampler copy and its weight sync, the trained models and optimizers; with --resume the
+    checkpoint's weights, optimizer states, schedules, generators, metrics and run time."""
     policy, device = run.policy, run.policy.device
     sampler = sampler_copy(policy)
     sharded = cfg.fsdp and torch.distributed.is_initialized()
@@ -1743,7 +1740,7 @@ def start_training(cfg: Config, run, output_dir: str, threaded, ctx: Dist) -> Tr
     sync = WeightSync(policy, sampler, sharded)  # packs the weights
     if evaluator is not None:  # its parameters become views of the published weights, which only this thread writes
         torch.nn.utils.vector_to_parameters(sync.staging, evaluator.parameters())
-    trained = [m for m in (policy, run.critic) if m is not None]  # (no critic: grpo / rloo)
+    trained = [m for m in (policy, run.critic) if m is not None]
     for model in trained if cfg.gradient_checkpointing else ():  # (not the sampler copy, made above)
         checkpoint_layers(model)
     if cfg.bf16:
@@ -1762,42 +1759,35 @@ def start_training(cfg: Config, run, output_dir: str, threaded, ctx: Dist) -> Tr
                  torch.Generator(device).manual_seed(cfg.seed + 1_000_003 * ctx.rank),
                  torch.Generator().manual_seed(cfg.seed + 1), threaded)
     if cfg.resume:
-        resume_training(t)
+        state = load_checkpoint(cfg.resume, actor, critic, t.optimizers, schedules, ctx)
+        t.start = state["step"]
+        t.first_accuracy = state["first_accuracy"]
+        t.elapsed = state["time_s"]
+        t.last_checkpoint = cfg.resume
+        t.sample_generator.set_state(state["sampler_rng"])
+        t.shuffle_generator.set_state(state["shuffle_rng"])
+        if ctx.rank == 0:
+            t.history = restore_metrics(output_dir, t.start)
+            for newer in [c for c in checkpoints(output_dir) if c > cfg.resume]:  # step-N names sort by step
+                # set aside, not deleted: this run writes its own
+                aside = f".abandoned-{os.path.basename(newer)}-{time.strftime('%Y%m%d-%H%M%S')}"
+                os.replace(newer, os.path.join(os.path.dirname(newer), aside))
+                print(f"resume: set aside {newer}, newer than the checkpoint resumed from (now .abandoned-*)")
+        print(f"resumed from {cfg.resume} after iteration {t.start}/{cfg.steps}")
     sync.publish(t.start)  # the sampler starts from the trainer's (maybe just loaded) weights, as version `start`
     sync.pull()
     if ctx.rank == 0:
         write_json(dataclasses.asdict(cfg), os.path.join(output_dir, "config.json"))  # the config actually used
     t.logger = Logger(cfg, output_dir, enabled=ctx.rank == 0)
     t.tracer = Tracer(cfg.trace if ctx.rank == 0 else "")
-    prompts_per_batch = cfg.batch_size // cfg.samples_per_prompt
-    t.order = prompt_order(len(run.prompt_ids), cfg.seed, start=t.start * prompts_per_batch)
-    longest = max(map(len, run.prompt_ids)) + cfg.response_length
+    t.order = prompt_order(len(run.prompt_ids), cfg.seed, start=t.start * (cfg.batch_size // cfg.samples_per_prompt))
     t.decoder = sampler
     if cfg.static_cache:
+        longest = max(map(len, run.prompt_ids)) + cfg.response_length
         cpu_thread = threaded and sampler.device.type == "cpu"  # the sampler thread runs one intra-op thread
         t.decoder = fast_decoder(sampler, rank_rows.stop - rank_rows.start, longest, PlainDecoder,
                                  cfg.compile_sampler, threads=1 if cpu_thread else 0, group=cfg.samples_per_prompt)
     return t
-
-
-def resume_training(t: Training):
-    """--resume: the checkpoint's weights, optimizer states and schedules (load_checkpoint), its generators, metrics
-    and run time. Checkpoints newer than the one resumed from are set aside: this run writes its own."""
-    cfg = t.cfg
-    state = load_checkpoint(cfg.resume, t.actor, t.critic, t.optimizers, t.schedules, t.ctx)
-    t.start = state["step"]
-    t.first_accuracy = state["first_accuracy"]
-    t.elapsed = state["time_s"]
-    t.last_checkpoint = cfg.resume
-    t.sample_generator.set_state(state["sampler_rng"])
-    t.shuffle_generator.set_state(state["shuffle_rng"])
-    if t.ctx.rank == 0:
-        t.history = restore_metrics(t.output_dir, t.start)
-        for newer in [c for c in checkpoints(t.output_dir) if c > cfg.resume]:  # step-N names sort by step
-            stamp = time.strftime("%Y%m%d-%H%M%S")
-            os.replace(newer, os.path.join(os.path.dirname(newer), f".abandoned-{os.path.basename(newer)}-{stamp}"))
-            print(f"resume: set aside {newer}, newer than the checkpoint resumed from (now .abandoned-*)")
-    print(f"resumed from {cfg.resume} after iteration {t.start}/{cfg.steps}")
 
 
 def make_batch(t: Training, i: int, stop: threading.Event) -> Rollout:
@@ -1824,21 +1814,17 @@ def make_batch(t: Training, i: int, stop: threading.Event) -> Rollout:
     return batch
 
 
-def next_version(t: Training, stop: threading.Event, version: int) -> int:
-    """generate()'s between_steps: stop promptly when the run stops; the policy version of the next token (the
-    newest published one with --inflight-updates)."""
+def next_version(t: Training, stop: threading.Event, version: int) -> int:  # generate()'s between_steps
+    """Stop promptly when the run stops; the policy version of the next token (with --inflight-updates the newest)."""
     if stop.is_set():
         raise InterruptedError("the run is stopping")
     return t.sync.pull() if t.cfg.inflight_updates else version
 
 
-def evaluate_policy(t: Training) -> float:  # the demo's held-out accuracy of the last published weights
-    return evaluate(t.evaluator, t.run.tokenizer, t.run.eval_ids, t.run.eval_texts, t.cfg, t.cfg.seed + 2)
-
-
-def evaluate_before(t: Training):  # the demo's accuracy before PPO (not again on a resume)
+def evaluate_before(t: Training):  # the demo's held-out accuracy before PPO (not again on a resume)
     if t.run.eval_ids is not None and not t.cfg.resume and t.ctx.rank == 0:
-        t.first_accuracy = evaluate_policy(t)
+        run = t.run
+        t.first_accuracy = evaluate(t.evaluator, run.tokenizer, run.eval_ids, run.eval_texts, t.cfg, t.cfg.seed + 2)
         t.logger.log({"step": 0, "eval_accuracy": t.first_accuracy, "time_s": 0.0})
         print(f"held-out sampled accuracy before PPO: {t.first_accuracy:.3f}")
 
@@ -1868,8 +1854,8 @@ def log_iteration(t: Training, step: int, batch: Rollout, kl, stats: dict, lr: f
     t.bad_steps = 0
     accuracy = None
     if t.run.eval_ids is not None and (step % cfg.eval_every == 0 or step == cfg.steps) and t.ctx.rank == 0:
-        with t.tracer.span("evaluate", "trainer"):
-            accuracy = evaluate_policy(t)
+        with t.tracer.span("evaluate", "trainer"):  # the last published weights
+            accuracy = evaluate(t.evaluator, t.run.tokenizer, t.run.eval_ids, t.run.eval_texts, cfg, cfg.seed + 2)
     now = time.time()
     timing = dict(iter_s=now - t.window_start, gen_s=batch.gen_s, update_s=update_s, busy=t.tracer.take(),
                   sync_ms=sync_ms)
@@ -1880,7 +1866,13 @@ def log_iteration(t: Training, step: int, batch: Rollout, kl, stats: dict, lr: f
         record["eval_accuracy"] = accuracy
     t.logger.log(record)
     t.history.append(record)
-    print(format_line(record, cfg.steps), flush=True)
+    acc = f" | acc {record['eval_accuracy']:.3f}" if accuracy is not None else ""
+    critic = f" | vloss {record['vf_loss']:.4f} | ev {record['explained_variance']:.2f}" if "vf_loss" in record else ""
+    print(f"it {step:>4}/{cfg.steps} | reward {record['reward_mean']:.3f}{acc} | kl {record['kl']:.4f}"
+          f" | ent {record['entropy']:.3f} | clip {record['clipfrac']:.3f}{critic}"
+          f" | len {record['response_length']:.1f} | gen {record['gen_tokens_per_s']:.0f} tok/s"
+          f" | train {record['train_tokens_per_s']:.0f} tok/s | idle {record['trainer_idle_frac']:.0%}"
+          f" | {record['iter_s']:.2f}s", flush=True)
     if cfg.sample_every and (step % cfg.sample_every == 0 or step == 1):
         shown = range(0, min(len(batch.prompts), 3 * cfg.samples_per_prompt), cfg.samples_per_prompt)  # one a group
         for p, c, s in ((batch.prompts[r], batch.completions[r], float(batch.scores[r])) for r in shown):
@@ -1895,9 +1887,8 @@ def save_training(t: Training, step: int, batch: Rollout):
     import warnings
     import torch.distributed.checkpoint as dcp
     path = os.path.join(t.output_dir, "checkpoints", f"step-{step:08d}")
-    policy_state = full_policy_state(t.actor)  # a collective under FSDP2
-    if t.ctx.rank == 0:  # (over a half-written directory of a killed run: it has no .metadata)
-        save_policy(t.run.policy, t.run.tokenizer, os.path.join(path, "policy"), policy_state)
+    save_policy(t, os.path.join(path, "policy"))  # (over a half-written directory of a killed run: no .metadata)
+    if t.ctx.rank == 0:
         write_json(dataclasses.asdict(t.cfg), os.path.join(path, "config.json"))
         for directory, _, files in os.walk(path):  # on disk before the .metadata (DCP fsyncs its own files)
             for name in files:
@@ -1950,9 +1941,7 @@ def stop_after(t: Training, step: int, batch: Rollout, stop: StopSignal) -> list
 
 
 def finish_training(t: Training):  # the end of a run: the policy as an HF model (output_dir/policy), the summary
-    policy_state = full_policy_state(t.actor)  # a collective under FSDP2
-    if t.ctx.rank == 0:
-        save_policy(t.run.policy, t.run.tokenizer, os.path.join(t.output_dir, "policy"), policy_state)
+    save_policy(t, os.path.join(t.output_dir, "policy"))
     history = t.history
     tenth = max(1, len(history) // 10)
     first, last = (sum(r["reward_mean"] for r in rs) / max(1, len(rs)) for rs in (history[:tenth], history[-tenth:]))
@@ -2008,30 +1997,25 @@ def prepare_output_dir(cfg: Config, ctx: Dist) -> str:  # rank 0 decides (and da
     return path
 
 
-def atomic_write(path: str, text: str):  # through a temporary file and a rename: a crash never leaves half a file
+def write_json(obj, path: str):  # through a temporary file and a rename: a crash never leaves half a file
     with open(path + ".tmp", "w", encoding="utf-8") as f:
-        f.write(text)
+        json.dump(obj, f, indent=2)
     os.replace(path + ".tmp", path)
 
 
-def write_json(obj, path: str):
-    atomic_write(path, json.dumps(obj, indent=2))
-
-
-def full_policy_state(actor) -> dict:
-    """The policy's weights whole, on the CPU, without the "module." / "policy." prefixes of DDP and Actor: under
-    FSDP2 gathered from the shards (a collective: every rank calls it, rank 0 receives them)."""
+def save_policy(t: Training, path: str):
+    """The policy as an HF model (save_pretrained, with the tokenizer): its weights whole, without the "module." /
+    "policy." prefixes of DDP and Actor; under FSDP2 gathered from the shards (a collective: every rank calls it)."""
     from torch.distributed.checkpoint import state_dict as dcp_state
-    options = dcp_state.StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return {k.removeprefix("policy."): v for k, v in dcp_state.get_model_state_dict(actor, options=options).items()}
-
-
-def save_policy(policy, tokenizer, path: str, state_dict: dict):  # save_pretrained of these weights + the tokenizer
     from transformers.utils import logging
-    logging.disable_progress_bar()  # no "Writing model shards" bar at every checkpoint
-    # cloned: the trainer's parameters are views into one flat buffer, which safetensors would see as shared memory
-    policy.save_pretrained(path, state_dict={k: v.detach().clone() for k, v in state_dict.items()})
-    tokenizer.save_pretrained(path)
+    options = dcp_state.StateDictOptions(full_state_dict=True, cpu_offload=True)  # rank 0 receives them, on the CPU
+    state = dcp_state.get_model_state_dict(t.actor, options=options)
+    if t.ctx.rank == 0:
+        logging.disable_progress_bar()  # no "Writing model shards" bar at every checkpoint
+        # cloned: the trainer's parameters are views into one flat buffer, which safetensors would see as shared memory
+        t.run.policy.save_pretrained(path, state_dict={k.removeprefix("policy."): v.detach().clone()
+                                                       for k, v in state.items()})
+        t.run.tokenizer.save_pretrained(path)
 
 
 def checkpoints(run_dir: str):  # the whole checkpoints of a run (those with DCP's .metadata), oldest first
@@ -2054,23 +2038,22 @@ def find_checkpoint(path: str) -> str:  # --resume PATH: a checkpoint directory,
 
 
 def checkpoint_state(actor, critic, optimizers, schedules, ctx: Dist, sampler_rng, shuffle_generator, **loop) -> dict:
-    """What a checkpoint holds, as DCP saves it, and (with placeholders of the same shapes) loads it in place: the
-    models' and optimizers' state dicts (sharded under FSDP2), the schedules, the shuffling generator, loop (step, ...)
-    and this rank's RNG states under its own key (sampler_rng: the sampling generator's state after the batch)."""
+    """What a checkpoint holds, as DCP saves it and (into placeholders of the same shapes) loads it in place: the state
+    dicts (sharded under FSDP2), loop (step, ...) and this rank's RNG states under its own key."""
     from torch.distributed.checkpoint import state_dict as dcp_state
     rngs = {"sampler_rng": sampler_rng, "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
     state = {**loop, "schedules": [s.state_dict() for s in schedules], "shuffle_rng": shuffle_generator.get_state(),
              f"rank{ctx.rank}": rngs}
     for name, model, optimizer in zip(("actor", "critic"), (actor, critic), optimizers):
-        if model is not None:  # (grpo / rloo: no critic)
+        if model is not None:  # (an estimator without a critic: none)
             state[name], state[f"{name}_optimizer"] = dcp_state.get_state_dict(model, optimizer)
     return state
 
 
 def load_checkpoint(path: str, actor, critic, optimizers, schedules, ctx: Dist = Dist()) -> dict:
-    """Load a checkpoint in place (the policy's parameters stay views of the packed buffer) and restore this rank's
-    RNGs. Returns the loop state (step, first_accuracy, time_s) with the generator states."""
+    """Load a checkpoint in place (the policy's parameters stay views of the packed buffer), restore this rank's RNGs;
+    return the loop state (step, first_accuracy, time_s) and the generators' states."""
     import warnings
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import state_dict as dcp_state
@@ -2113,7 +2096,9 @@ def restore_metrics(output_dir: str, step: int):
     records = [r for r in records if r["step"] <= step]
     if dropped:
         print(f"resume: dropped {dropped} metrics records written after the checkpoint of step {step}")
-    atomic_write(path, "".join(json.dumps(r) + "\n" for r in records))
+    with open(path + ".tmp", "w", encoding="utf-8") as f:  # and a rename: a crash never leaves half a file
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    os.replace(path + ".tmp", path)
     return [r for r in records if r["step"] > 0 and "skipped_update" not in r]
 
 
@@ -2129,15 +2114,6 @@ def nonfinite(batch: Rollout):  # what in a scored batch is NaN or inf, and in w
     return None
 
 
-def format_line(r: dict, steps: int) -> str:
-    acc = f" | acc {r['eval_accuracy']:.3f}" if "eval_accuracy" in r else ""
-    critic = f" | vloss {r['vf_loss']:.4f} | ev {r['explained_variance']:.2f}" if "vf_loss" in r else ""
-    return (f"it {r['step']:>4}/{steps} | reward {r['reward_mean']:.3f}{acc} | kl {r['kl']:.4f}"
-            f" | ent {r['entropy']:.3f} | clip {r['clipfrac']:.3f}{critic}"
-            f" | len {r['response_length']:.1f} | gen {r['gen_tokens_per_s']:.0f} tok/s"
-            f" | train {r['train_tokens_per_s']:.0f} tok/s | idle {r['trainer_idle_frac']:.0%} | {r['iter_s']:.2f}s")
-
-
 def iteration_record(step, batch: Rollout, kl, stats: dict, cfg: Config, lr, iter_s, gen_s, update_s, busy, sync_ms):
     """One iteration's logged scalars: metrics.jsonl and wandb. reduce_record combines them over the ranks."""
     B, P, T = batch.response.shape[0], batch.prompt_ids.shape[1], batch.response.shape[1]
@@ -2151,7 +2127,7 @@ def iteration_record(step, batch: Rollout, kl, stats: dict, cfg: Config, lr, ite
             "kl": kl_means[0],  # per sequence, over the rows in the loss
             "kl_per_token": kl_means[1],
             **stats,  # ppo_update's losses, clip fractions, approx_kl, entropy, grad norms
-            **({} if batch.returns is None else  # (no critic: grpo / rloo)
+            **({} if batch.returns is None else  # (an estimator without a critic)
                {"explained_variance": float(explained_variance(batch.values, batch.returns, batch.response_mask))}),
             "response_length": response_tokens / B,
             "response_tokens": response_tokens,
@@ -2226,8 +2202,8 @@ def any_rank(flag: bool, device) -> bool:  # a decision every rank must take tog
 
 
 def bench_overlap(cfg: Config, output_dir: str):
-    """--bench-overlap: the same run at --max-staleness 0, 1, 2, one after the other in this process; prints end-to-end
-    tokens/s (and its ratio to staleness 0), trainer idle fraction, and the reward reached by the same wall time."""
+    """--bench-overlap: the same run at --max-staleness 0, 1, 2 in turn; prints end-to-end tokens/s (and its ratio to
+    staleness 0), the trainer's idle fraction, the weight sync's time and the reward reached by the same wall time."""
     results = {}
     for staleness in (0, 1, 2):
         c = dataclasses.replace(cfg, max_staleness=staleness, bench_overlap=False, sample_every=0,
@@ -2243,34 +2219,26 @@ def bench_overlap(cfg: Config, output_dir: str):
     for staleness, h in results.items():
         tokens_per_s = sum(r["response_tokens"] for r in h) / h[-1]["time_s"]
         idle = sum(r["trainer_idle_frac"] * r["iter_s"] for r in h) / sum(r["iter_s"] for r in h)
-        reached = [r for r in h if r["time_s"] <= common][-5:]
         sync_ms = sum(r["weight_sync_ms"] for r in h) / len(h)
-        reward = sum(r["reward_mean"] for r in reached) / len(reached)
+        reached = [r["reward_mean"] for r in h if r["time_s"] <= common][-5:]
         print(f"{staleness:>9} | {tokens_per_s:>9.0f} | {tokens_per_s / base:>4.2f}x | {idle:>12.2f} | "
-              f"{sync_ms:>7.2f} | {reward:.3f}")
+              f"{sync_ms:>7.2f} | {sum(reached) / len(reached):.3f}")
 
 
 def bench_rollout(cfg: Config):
-    """--bench-rollout: (1) tokens/s of our sampler (fast_decoder; with --compile-sampler the eager one too; with
-    --samples-per-prompt n also its prefill shared by each group) against transformers' generate and our plain
-    DynamicCache loop, on the sampler copy, --batch-size rows of exactly --response-length tokens (EOS ignored); on
-    CUDA also the decode step against the weights-read bound. (2) One PPO update on lengths spread 4:1, padded
-    (--micro-batch-size rows) vs packed (same capacity or --micro-batch-tokens)."""
+    """--bench-rollout: (1) tokens/s of our sampler (fast_decoder; with --samples-per-prompt n also its prefill shared
+    by each group; with --compile-sampler compiled) against transformers' generate and our plain loop, --batch-size
+    rows of exactly --response-length tokens (EOS ignored); on CUDA also the decode step against the weights-read
+    bound. (2) One PPO update on lengths spread 4:1, padded (--micro-batch-size rows) vs packed (same capacity or
+    --micro-batch-tokens): bench_update."""
     cfg = dataclasses.replace(cfg, demo_warmup_max_steps=0)  # speed does not depend on the weights
     run = setup(cfg)  # (which may turn --full-logits on)
-    ratio = bench_sampling(cfg, run)
-    bench_update(cfg, run)
-    print(f"sampler vs generate: {ratio:.2f}x")
-
-
-def bench_sampling(cfg: Config, run) -> float:  # part (1) of --bench-rollout; returns our sampler's speed-up
-    policy, tokenizer, device = run.policy, run.tokenizer, run.policy.device
-    B, T = cfg.batch_size, cfg.response_length
-    sampler = sampler_copy(policy)  # as train() makes it
-    n = cfg.samples_per_prompt  # rows in groups of n with one prompt, as train() samples them
+    tokenizer, device = run.tokenizer, run.policy.device
+    B, T, n = cfg.batch_size, cfg.response_length, cfg.samples_per_prompt
+    sampler = sampler_copy(run.policy)  # sized and sampled as train() does: rows in groups of n with one prompt
     ids, mask = left_pad([run.prompt_ids[i // n % len(run.prompt_ids)] for i in range(B)], tokenizer.pad_token_id,
                          device)
-    max_len = max(map(len, run.prompt_ids)) + T  # the decoders are sized as train() sizes them
+    max_len = max(map(len, run.prompt_ids)) + T
     eager = fast_decoder(sampler, B, max_len, PlainDecoder)
     decoders = {type(eager).__name__: eager}
     if n > 1 and isinstance(eager, StaticDecoder):  # and with each group's prompt prefilled once
@@ -2283,30 +2251,30 @@ def bench_sampling(cfg: Config, run) -> float:  # part (1) of --bench-rollout; r
             decoders["compiled"] = compiled
     name, decoder = list(decoders.items())[-1]  # what train() samples with
     args = sampling_args(cfg, tokenizer.pad_token_id, [], run.vocab)  # no stop id: --response-length tokens each
-    hf = functools.partial(sampler.generate, input_ids=ids, attention_mask=mask, do_sample=True, top_k=0, top_p=1.0,
-                           temperature=cfg.temperature, max_new_tokens=T, min_new_tokens=T,
-                           pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
     args["generator"] = torch.Generator(device)  # one for all runs: a run samples T tokens whatever they are
-    runs = {"HF generate": hf, "plain loop": functools.partial(generate, sampler, ids, mask, **args)}
-    runs.update({n: functools.partial(generate, d, ids, mask, **args) for n, d in decoders.items()})
-    runs["prefill"] = functools.partial(decoder.start, ids, mask, positions(mask))
+    runs = {"HF generate": functools.partial(sampler.generate, input_ids=ids, attention_mask=mask, do_sample=True,
+                                             top_k=0, top_p=1.0, temperature=cfg.temperature, max_new_tokens=T,
+                                             min_new_tokens=T, pad_token_id=tokenizer.pad_token_id,
+                                             eos_token_id=tokenizer.eos_token_id),
+            "plain loop": functools.partial(generate, sampler, ids, mask, **args),
+            **{row: functools.partial(generate, d, ids, mask, **args) for row, d in decoders.items()},
+            "prefill": functools.partial(decoder.start, ids, mask, positions(mask))}
     with torch.no_grad():
         seconds = timed(runs, device)
     prefill = seconds.pop("prefill")
-    n_params = sum(p.numel() for p in sampler.parameters())
-    print(f"\nsampling {B} x {T} tokens after {ids.shape[1]}-token prompts, {n_params / 1e6:.1f}M parameters in "
-          f"{sampler.dtype} on {device}:")
+    print(f"\nsampling {B} x {T} tokens after {ids.shape[1]}-token prompts, "
+          f"{sum(p.numel() for p in sampler.parameters()) / 1e6:.1f}M parameters in {sampler.dtype} on {device}:")
     for row, s in seconds.items():
         print(f"  {row:<14} {s * 1e3:9.1f} ms  {B * T / s:9.0f} tokens/s  {seconds['HF generate'] / s:5.2f}x")
     if device.type == "cuda":  # the decode step cannot beat reading every weight once
         param_bytes = sum(p.numel() * p.element_size() for p in sampler.parameters())
         flat = torch.empty(param_bytes // 2, dtype=torch.bfloat16, device=device)
-        copy_s = timed({"copy": flat.clone}, device)["copy"]
-        bound = copy_s / 2  # reading the weights once: a copy of them reads and writes each byte
+        bound = timed({"copy": flat.clone}, device)["copy"] / 2  # a copy reads and writes each byte
         step = (seconds[name] - prefill) / max(1, T - 1)
         print(f"  decode + sampling step {step * 1e3:.3f} ms vs weights-read bound {bound * 1e3:.3f} ms: "
               f"{step / bound:.2f}x the bound")
-    return seconds["HF generate"] / seconds[name]
+    bench_update(cfg, run)
+    print(f"sampler vs generate: {seconds['HF generate'] / seconds[name]:.2f}x")
 
 
 def bench_update(cfg: Config, run):  # part (2) of --bench-rollout: packed vs padded training, lengths spread 4:1
@@ -2332,7 +2300,7 @@ def bench_update(cfg: Config, run):  # part (2) of --bench-rollout: packed vs pa
         if layout == "packed":
             use_packed_attention(backbone_of(actor), cfg.bf16)
             use_packed_attention(backbone_of(reference.policy), cfg.bf16)
-        critic = build_critic(actor) if c.advantage == "gae" else None  # (grpo / rloo: none)
+        critic = build_critic(actor) if ADVANTAGES[c.advantage].critic else None
         for model in [m for m in (actor, critic) if m is not None and cfg.gradient_checkpointing]:
             checkpoint_layers(model)
         actor = Actor(actor, c.temperature, c.full_logits, run.vocab)  # as train() scores
