@@ -2328,7 +2328,7 @@ RUN_ONLY = ("resume", "output_dir", "save_every", "keep_checkpoints", "max_bad_s
             "sample_every", "fsdp", "compile_sampler")
 # the flags that take one of a few words, and the numeric flags' lower bounds (0: the flag can turn a feature off)
 CHOICES = {"is_mode": ("truncate", "mask"), "kl_estimator": ("k1", "k2", "k3"), "kl_in": ("reward", "loss"),
-           "advantage": tuple(ADVANTAGES), "policy_loss": tuple(POLICY_LOSSES), "pg_mask": tuple(PG_MASKS),
+           "advantage": ADVANTAGES, "policy_loss": POLICY_LOSSES, "pg_mask": PG_MASKS,  # (the tables, as they are)
            "scale_rewards": ("group", "batch", "none"),
            "loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
            "dtype": ("float32", "bfloat16"), "long_prompts": ("truncate", "refuse")}
@@ -2375,8 +2375,8 @@ def check_config(cfg: Config):
     world = int(os.environ.get("WORLD_SIZE", "1"))  # under torchrun --batch-size is global; each rank takes 1/world
     ranks = f" x {world} ranks (torchrun's WORLD_SIZE)" if world > 1 else ""
     minibatch_size = cfg.batch_size // max(1, cfg.minibatches * world)  # per rank
-    checks = [(getattr(cfg, n) in words, f"--{n.replace('_', '-')} must be {', '.join(words[:-1])} or {words[-1]} "
-               f"(got {getattr(cfg, n)!r})") for n, words in CHOICES.items()]
+    checks = [(getattr(cfg, n) in words, f"--{n.replace('_', '-')} must be {', '.join(list(words)[:-1])} or "
+               f"{list(words)[-1]} (got {getattr(cfg, n)!r})") for n, words in CHOICES.items()]
     checks += [(getattr(cfg, n) >= low, f"--{n.replace('_', '-')} must be >= {low} (got {getattr(cfg, n)})")
                for n, low in LOWER_BOUNDS.items()]
     checks += [(cfg.temperature > 0,

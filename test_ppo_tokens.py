@@ -1822,6 +1822,7 @@ def test_bad_input_is_refused_with_one_clear_line(tmp_path, capsys, monkeypatch,
                                  expand=1)).save_pretrained(tmp_path / "mamba")
     tokenizer.save_pretrained(tmp_path / "mamba")
     os.makedirs(tmp_path / "old_run/checkpoints/step-00000003")
+    (tmp_path / "old_run/checkpoints/step-00000003/.metadata").write_bytes(b"")  # DCP's: a whole checkpoint
     base = [*LOOP, "--steps", "1"]
 
     def with_prompts(name):
