@@ -1,39 +1,24 @@
 """ppo_tokens: PPO for language models (RLHF) in one hackable file.
 
-What it does, top to bottom: a policy (any Hugging Face causal LM) samples completions for a batch of prompts with
-its own KV-cache sampling loop; a frozen reference model, a critic (value head on a causal-LM backbone) and a reward
-(a reward model, a Python function, or the demo's rule) score them; per-token rewards are the score on the last real
-token minus kl_coef * KL(policy || reference) on every token; GAE turns them into advantages; and the clipped PPO
-objective updates the policy and the critic over a few epochs of minibatches. It follows "The N+ Implementation
-Details of RLHF with PPO" (Huang et al., 2024) and TRL's PPOTrainer where they agree, and says so where it differs.
-Critic-free instead (--advantage grpo / rloo, --samples-per-prompt n): each prompt is sampled n times and every token
-of a completion gets its score's standing in its group (GRPO, Dr. GRPO, RLOO); no critic is built; the KL to the
-reference goes into the loss; --loss-agg, --clip-range-high and --mismatch-correction cover DAPO's and verl's knobs.
+A policy (any Hugging Face causal LM) samples completions with its own KV-cache loop; a frozen reference, a critic
+(a value head on a causal-LM backbone) and a reward (a reward model, a Python function, or the demo's rule) score
+them; each token's reward is -kl_coef * KL(policy || reference), plus the score on the last real token; GAE gives the
+advantages, and the clipped PPO objective updates policy and critic over a few epochs of minibatches. It follows
+"The N+ Implementation Details of RLHF with PPO" (Huang et al., 2024) and says where it differs. Each variant is one
+function plus one entry in a table: advantage estimators (ADVANTAGES: gae, reinforce++, and the critic-free grpo and
+rloo over groups of --samples-per-prompt completions), policy losses (POLICY_LOSSES: ppo, gspo, cispo) and
+policy-gradient masks (PG_MASKS). --max-staleness k: a sampler thread runs up to k policy versions ahead and decoupled
+PPO corrects for it. Under torchrun the actor and critic train data-parallel (DDP, or FSDP2 with --fsdp).
+Left out: pure-bf16 weights (fp32 master weights and AdamW), paged attention / continuous batching in the sampler.
 
-With --max-staleness k > 0 a sampler copy of the policy generates ahead of the trainer in its own thread (and CUDA
-stream), at most k policy versions behind, and the decoupled PPO objective corrects for the staleness. Under torchrun
-every rank samples its slice of each batch and the actor and critic train data-parallel (DDP, or FSDP2 with --fsdp).
---save-every / --resume checkpoint and continue a run exactly; SIGINT/SIGTERM checkpoint and exit 0.
-The sampler decodes with a preallocated KV cache (a CUDA graph per step on GPU); --micro-batch-tokens packs each
-micro-batch's real tokens into one padding-free sequence; --bf16 and --gradient-checkpointing trade precision and
-compute for memory. Deliberately left out: pure-bf16 weights (policy and critic keep fp32 master weights and AdamW;
-the sampler copy is bf16 on GPU), paged attention / continuous batching in the sampler.
-
-Run it:
-    python ppo_tokens.py                                    # built-in CPU demo: a 0.6M-parameter Llama learns addition
-    python ppo_tokens.py --model Qwen/Qwen2.5-0.5B-Instruct --prompts prompts.jsonl \\
-        --reward-model ./my_rm --response-length 256 --batch-size 64 --micro-batch-size 8 --lr 1e-6 --critic-lr 1e-5
-    python ppo_tokens.py --model ./my_policy --prompts prompts.jsonl --reward my_rewards:score --lr 1e-6
-    python ppo_tokens.py --advantage grpo --samples-per-prompt 8  # the demo critic-free (or rloo): 64 prompts x 8
-    python ppo_tokens.py --max-staleness 1                  # the overlapped loop: sample batch i+1 while training on i
-    torchrun --standalone --nproc_per_node 8 ppo_tokens.py --model ... # one node, 8 GPUs (--fsdp to shard)
-    torchrun --nnodes 2 --nproc_per_node 8 --rdzv-id JOB --rdzv-backend c10d --rdzv-endpoint HOST:PORT ppo_tokens.py ...
-    python ppo_tokens.py --resume runs/X                    # continue a run from its newest checkpoint
-    python ppo_tokens.py --bench-rollout                    # our sampler vs HF generate; packed vs padded updates
-    python ppo_tokens.py --help                             # every flag with its comment
-The numbers quoted in README.md come from the commands listed there, on the machines named there.
-Reading order: Config (the flags), then THE ALGORITHM (rollout -> scoring -> advantages -> losses -> update -> the
-loop, train()), then the PLUMBING it calls.
+    python ppo_tokens.py                                  # CPU demo: a 0.6M-parameter Llama learns addition
+    python ppo_tokens.py --model Qwen/Qwen2.5-0.5B-Instruct --prompts prompts.jsonl --reward-model ./my_rm \\
+        --response-length 256 --batch-size 64 --micro-batch-size 8 --lr 1e-6 --critic-lr 1e-5    # one GPU
+    python ppo_tokens.py --advantage grpo --samples-per-prompt 8     # the demo, critic-free
+    torchrun --standalone --nproc_per_node 8 ppo_tokens.py --model ...  # one node, 8 GPUs (--fsdp to shard)
+    python ppo_tokens.py --help                           # every flag, with its units and typical values
+README.md gives its numbers with the commands and machines they came from. Reading order: Config, THE ALGORITHM
+(rollout -> scoring -> advantages -> losses -> update -> the loop, train()), then the PLUMBING it calls.
 """
 
 import argparse, collections, contextlib, copy, dataclasses, functools, gc, hashlib, importlib, importlib.util, inspect
@@ -43,19 +28,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-
-def import_kernels():
-    """kernels.py, loaded by path as the module `ppo_tokens_kernels`: the name `kernels` belongs to the Hugging Face
-    Hub's package, which transformers >= 5.25 imports (kernels.py hands the name over when imported by it)."""
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels.py")
-    spec = importlib.util.spec_from_file_location("ppo_tokens_kernels", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-kernels = sys.modules.get("ppo_tokens_kernels") or import_kernels()
+# kernels.py, loaded by path as `ppo_tokens_kernels`: the name `kernels` belongs to the Hugging Face Hub's package,
+# which transformers >= 5.25 imports (kernels.py hands the name over when imported by it)
+if "ppo_tokens_kernels" not in sys.modules:
+    _spec = importlib.util.spec_from_file_location(
+        "ppo_tokens_kernels", os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels.py"))
+    sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(sys.modules[_spec.name])
+kernels = sys.modules["ppo_tokens_kernels"]
 from ppo_tokens_kernels import linear_token_logprobs, token_logprobs  # noqa: E402  the fused log-prob kernels
 # the fast paths (kernels.py), each checked against its plain path here: the sampler, packed forwards, timing
 from ppo_tokens_kernels import (StaticDecoder, decoder_kwargs, fall_back, fast_decoder, fused_head_agrees,  # noqa: E402
@@ -75,15 +55,14 @@ class Config:
     # what to train
     model: str = arg("", "HF causal-LM directory or hub name; empty = the built-in demo (a tiny Llama learns addition)")
     reward_model: str = arg("", "AutoModelForSequenceClassification (num_labels=1) directory: score = its output")
-    reward: str = arg("", "'module:function' with (prompts, completions, **facts) -> list[float]; facts it may take: "
-                      "completion_ids, ended (README); the demo's reward is one")
+    reward: str = arg("", "'module:function', (prompts, completions, **facts) -> list[float]; facts: completion_ids, "
+                      "ended (README)")
     prompts: str = arg("", "JSONL file, one object per line with a 'prompt' field; empty = the demo's prompts")
     chat_template: bool = arg(True, "wrap each prompt in the tokenizer's chat template when it has one")
     max_prompt_length: int = arg(512, "longest prompt in tokens; longer ones are cut or refused, see --long-prompts")
     # rollout
     steps: int = arg(0, "PPO iterations: one rollout batch and its update each; 0 = 300 with a critic, 800 without")
-    batch_size: int = arg(0, "rollouts (prompt + one sampled completion) per iteration; 0 = 256, or 64 prompts x "
-                          "--samples-per-prompt for the group estimators")
+    batch_size: int = arg(0, "completions per iteration; 0 = 256, or 64 prompts x --samples-per-prompt when grouped")
     response_length: int = arg(0, "max new tokens per completion; 0 = 4 for the demo, 128 otherwise")
     temperature: float = arg(1.0, "sampling temperature; scoring divides the logits by the same value")
     top_k: int = arg(0, "sample from the k most likely tokens only (0 = off); log-probs renormalise over that set")
@@ -92,67 +71,59 @@ class Config:
     ppo_epochs: int = arg(0, "passes over each rollout batch; 0 = 2 with a critic, 1 without (GRPO's mu = 1)")
     minibatches: int = arg(4, "optimizer steps per epoch; --batch-size must divide by it")
     micro_batch_size: int = arg(0, "rows per forward/backward, gradients accumulate; 0 = the whole minibatch")
-    micro_batch_tokens: int = arg(0, "instead: micro-batches of at most this many real tokens, packed into one "
-                                  "sequence each (padding-free; rows bucketed by length); 0 = padded rows")
+    micro_batch_tokens: int = arg(0, "instead: micro-batches of at most this many real tokens, each packed into one "
+                                  "padding-free sequence; 0 = padded rows")
     gradient_checkpointing: bool = arg(False, "recompute each decoder layer's activations in the backward")
-    bf16: bool = arg(False, "train under bf16 autocast over the fp32 master weights; the log-prob and value heads "
-                     "stay fp32")
-    lr: float = arg(0.0, "policy learning rate (AdamW); 0 = the demo's: 5e-4 with a critic, 3e-4 without; use ~1e-6 "
-                    "for real models")
+    bf16: bool = arg(False, "bf16 autocast over the fp32 master weights; the log-prob and value heads stay fp32")
+    lr: float = arg(0.0, "policy learning rate (AdamW); 0 = the demo's 5e-4 (3e-4 without a critic); ~1e-6 for real "
+                    "models")
     critic_lr: float = arg(1e-3, "critic learning rate (AdamW); use ~1e-5 for real models")
     lr_decay: bool = arg(True, "decay both learning rates linearly to 0 over --steps")
     weight_decay: float = arg(0.0, "AdamW weight decay")
     adam_eps: float = arg(1e-5, "AdamW epsilon (1e-5 as in the N+ details, not PyTorch's 1e-8)")
     max_grad_norm: float = arg(1.0, "gradient-norm clip, per model")
-    policy_loss: str = arg("ppo", "the policy loss (POLICY_LOSSES): 'ppo' (clipped ratio per token), 'gspo' "
-                           "(one clipped ratio per sequence), 'cispo' (clipped, gradient-stopped weight x log-prob)")
-    pg_mask: str = arg("all", "tokens that get the policy gradient (PG_MASKS): 'all' in the loss, or 'top-entropy' "
-                       "(the batch's 20%% highest-entropy tokens)")
+    policy_loss: str = arg("ppo", "POLICY_LOSSES: 'ppo' (a clipped ratio per token), 'gspo' (per sequence), 'cispo' "
+                           "(clipped, gradient-stopped weight x log-prob)")
+    pg_mask: str = arg("all", "PG_MASKS, the tokens with a policy gradient: 'all' in the loss, or 'top-entropy' (the "
+                       "20%% highest-entropy ones)")
     clip_range: float = arg(0.2, "PPO ratio clip epsilon")
     clip_range_high: float = arg(0.0, "upper ratio clip: 1 + this (DAPO's clip-higher, e.g. 0.28); 0 = --clip-range")
     value_clip_range: float = arg(0.2, "value-prediction clip around the rollout's values")
     entropy_coef: float = arg(0.0, "entropy bonus in the policy loss (0 = only logged)")
     kl_coef: float = arg(0.02, "weight of the per-token KL(policy || reference) penalty (see --kl-in)")
-    kl_in: str = arg("", "where the KL penalty goes: 'reward' (-kl_coef * kl_t in each token's reward) or 'loss' (+ "
-                     "kl_coef * mean kl_t in the policy loss, as GRPO); empty = the --advantage estimator's choice")
-    kl_estimator: str = arg("", "per-token KL estimator: k1 = logp - ref, k2 = (logp - ref)^2 / 2, k3 = "
-                            "e^(ref-logp) - (ref-logp) - 1; empty = k1 in the reward, k3 in the loss")
-    advantage: str = arg("gae", "advantage estimator (ADVANTAGES): 'gae' (a critic), 'reinforce++' (return-to-go "
-                         "whitened over the batch), or from each prompt's group of --samples-per-prompt completions: "
-                         "'grpo' (normalised score) or 'rloo' (leave-one-out)")
-    samples_per_prompt: int = arg(1, "completions sampled per prompt in a batch (a group); --batch-size counts "
-                                  "completions")
-    scale_rewards: str = arg("group", "grpo: divide the centred scores by the std of the group, of the batch, or "
-                             "'none' (Dr. GRPO; pair it with --loss-agg seq-mean-token-sum-norm)")
+    kl_in: str = arg("", "the KL penalty goes in the 'reward' (-kl_coef * kl_t per token) or the 'loss' (+ kl_coef * "
+                     "mean kl_t, as GRPO); empty = the --advantage estimator's choice")
+    kl_estimator: str = arg("", "k1 = logp - ref, k2 = (logp - ref)^2 / 2, k3 = e^(ref-logp) - (ref-logp) - 1; "
+                            "empty = k1 in the reward, k3 in the loss")
+    advantage: str = arg("gae", "ADVANTAGES: 'gae' (a critic), 'reinforce++' (return-to-go whitened over the batch), "
+                         "or over groups of --samples-per-prompt: 'grpo' (normalised score), 'rloo' (leave-one-out)")
+    samples_per_prompt: int = arg(1, "completions per prompt in a batch (a group); --batch-size counts completions")
+    scale_rewards: str = arg("group", "grpo: divide the centred scores by the std of the 'group', the 'batch', or "
+                             "'none' (Dr. GRPO; with --loss-agg seq-mean-token-sum-norm)")
     loss_agg: str = arg("token-mean", "a minibatch's loss from its token losses: 'token-mean', "
                         "'seq-mean-token-mean', or 'seq-mean-token-sum-norm' (token sums / --response-length)")
     drop_flat_groups: bool = arg(None, "groups whose completions all scored the same (no signal) leave the loss and "
-                                 "its denominators; default: on for the group estimators")
+                                 "its denominators; default: on for grouped estimators")
     mismatch_correction: bool = arg(False, "weight fresh tokens too by min(exp(prox_logp - behav_logp), --is-cap): "
                                     "corrects the sampler's (bf16) drift from the trainer")
     gamma: float = arg(1.0, "GAE discount")
     lam: float = arg(0.95, "GAE lambda")
     whiten_scores: bool = arg(False, "whiten the sequence scores over the batch before adding them to the rewards")
-    missing_eos_penalty: float = arg(0.0, "subtracted from the score of completions that hit --response-length "
-                                     "without EOS")
+    missing_eos_penalty: float = arg(0.0, "subtracted from the score of a completion without EOS (e.g. 1.0)")
     # the overlapped loop (sampler thread + bounded queue + packed weight sync + off-policy correction)
-    max_staleness: int = arg(0, "policy versions a rollout batch may lag the trainer: 0 = synchronous PPO, 1 = "
-                             "one-step off-policy")
-    inflight_updates: bool = arg(False, "the sampler takes new weights between decode steps (mixed-version "
-                                 "sequences, PipelineRL)")
+    max_staleness: int = arg(0, "policy versions a batch may lag the trainer: 0 = synchronous, 1 = one-step off-policy")
+    inflight_updates: bool = arg(False, "the sampler takes new weights between decode steps (PipelineRL)")
     is_cap: float = arg(2.0, "cap on the decoupled-PPO importance weight exp(prox_logp - behav_logp) of stale tokens")
-    is_mode: str = arg("truncate", "capped weights: 'truncate' (set to --is-cap) or 'mask' (set to 0: no policy "
-                       "gradient)")
+    is_mode: str = arg("truncate", "capped weights: 'truncate' (set to --is-cap) or 'mask' (0: no policy gradient)")
     max_token_age: int = arg(-1, "drop tokens sampled more than this many versions ago from the loss (-1 = keep all)")
     trace: str = arg("", "write a Chrome trace (chrome://tracing, ui.perfetto.dev) of sampler and trainer to this file")
     bench_overlap: bool = arg(False, "benchmark: run --steps iterations at --max-staleness 0, 1 and 2, print a table")
     bench_rollout: bool = arg(False, "benchmark: our sampler vs HF generate (tokens/s), and packed vs padded updates")
     static_cache: bool = arg(True, "sample with a preallocated KV cache (+ a CUDA graph per decode step on GPU); off = "
-                             "transformers' DynamicCache, one column more per step")
-    compile_sampler: bool = arg(False, "torch.compile the sampler's prefill and decode step (fused kernels, far less "
-                                "Python per token); costs ~10-40 s of compiling at start; needs the static cache")
-    full_logits: bool = arg(False, "compute log-probs from full [tokens, vocab] logits instead of the fused lm_head "
-                            "path")
+                             "transformers' DynamicCache")
+    compile_sampler: bool = arg(False, "torch.compile the sampler's prefill and decode step (~10-40 s of compiling at "
+                                "start); needs the static cache")
+    full_logits: bool = arg(False, "log-probs from full [tokens, vocab] logits, not the fused lm_head path")
     fsdp: bool = arg(False, "torchrun: shard actor/critic weights, grads, Adam states (FSDP2), not replicate (DDP)")
     # the built-in demo
     demo_warmup_max_steps: int = arg(1500, "cap on supervised warm-up steps before PPO (0 = no warm-up)")
@@ -165,31 +136,23 @@ class Config:
     eval_size: int = arg(1000, "held-out prompts per evaluation (demo only)")
     sample_every: int = arg(50, "print a few sample completions every this many iterations (0 = never)")
     # checkpoints and failures
-    save_every: int = arg(0, "write a checkpoint every this many iterations and after the last (0 = only on "
-                          "SIGINT/SIGTERM)")
-    keep_checkpoints: int = arg(2, "keep the newest this many checkpoints in --output-dir/checkpoints, delete older "
-                                "ones")
-    resume: str = arg("", "'--resume': continue from the newest whole checkpoint in --output-dir; '--resume PATH': "
-                      "from that checkpoint or run directory (its config is used; flags that change the run are "
-                      "refused)")
-    max_bad_steps: int = arg(3, "stop after this many consecutive updates skipped for non-finite rewards, losses or "
-                             "grads")
+    save_every: int = arg(0, "checkpoint every this many iterations and after the last (0 = only on SIGINT/SIGTERM)")
+    keep_checkpoints: int = arg(2, "keep the newest this many checkpoints in --output-dir/checkpoints")
+    resume: str = arg("", "bare: continue from the newest checkpoint in --output-dir; PATH: from that checkpoint or "
+                      "run directory (its config is used; flags that change the run are refused)")
+    max_bad_steps: int = arg(3, "stop after this many consecutive updates skipped for non-finite values")
     long_prompts: str = arg("truncate", "prompts over --max-prompt-length: 'truncate' (keep the last tokens) or "
                             "'refuse'")
     # run
     seed: int = arg(1, "seeds model init, sampling, data order and minibatch shuffling")
     device: str = arg("auto", "'auto' (cuda if available), 'cpu', 'cuda' or 'cuda:N'")
-    dtype: str = arg("float32", "dtype of the frozen models (reference, reward model); policy and critic train in "
-                     "float32")
-    tf32: bool = arg(True, "CUDA: float32 matmuls in TF32 (10-bit mantissa inputs, fp32 sums; several times faster); "
-                     "off = IEEE float32")
+    dtype: str = arg("float32", "dtype of the frozen models (reference, reward model); policy and critic train in fp32")
+    tf32: bool = arg(True, "CUDA: float32 matmuls in TF32 (fp32 sums, several times faster); off = IEEE float32")
     output_dir: str = arg("", "where config.json, metrics.jsonl and policy/ go; empty = runs/<date-time>")
     wandb_project: str = arg("", "log to this Weights & Biases project (off when empty; wandb imported only then)")
 
     def __post_init__(self):  # the defaults that depend on other flags (check_config checks the result)
-        # the demo's defaults without a critic (measured: README): a group of n completions shares one prompt, so 64
-        # prompts a batch; one pass each (GRPO's mu = 1); flat groups, most of a late batch, leave the loss instead of
-        # diluting it (so a lower lr). An iteration without a critic costs about half.
+        # without a critic (README): 64 prompts x a group; one pass (GRPO's mu = 1); flat groups leave the loss
         estimator = ADVANTAGES.get(self.advantage, ADVANTAGES["gae"])  # (check_config refuses an unknown name)
         self.steps = self.steps or (300 if estimator.critic else 800)
         self.batch_size = self.batch_size or (64 * self.samples_per_prompt if estimator.groups else 256)
