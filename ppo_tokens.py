@@ -811,12 +811,11 @@ def micro_step(policy, critic, mb: Rollout, cfg: Config, share: Share) -> dict:
 
 
 def loss_denominators(batch: Rollout, minibatches, cfg: Config):
-    """Each minibatch's denominators over all ranks (/ world, as DDP averages gradients), so that the loss is the same
-    however a minibatch is split into micro-batches and ranks: its real tokens (the logged token means) and its
-    --loss-agg's: the tokens (token-mean); the sequences, each token weighted by 1 / its sequence's tokens
-    (seq-mean-token-mean); sequences x --response-length (seq-mean-token-sum-norm, Dr. GRPO: a long answer's tokens
-    weigh no less). Returns (tokens (M,), denominators (M,), row weights (B,) or None, empty (M,) bools: no token on
-    any rank, divided by 1; ppo_update skips its step)."""
+    """Each minibatch's denominators over all ranks (/ world, as DDP averages gradients), so that its loss does not
+    depend on the split into micro-batches and ranks: its real tokens (the logged means) and --loss-agg's: the tokens
+    (token-mean); the sequences, each token weighted by 1 / its sequence's tokens (seq-mean-token-mean); sequences x
+    --response-length (seq-mean-token-sum-norm, Dr. GRPO: a long answer's tokens weigh no less). Returns (tokens (M,),
+    denominators (M,), row weights (B,) or None, empty (M,): no token on any rank, so ppo_update takes no step)."""
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     lengths = batch.loss_mask.sum(1)  # (B,)
     counts = torch.stack([torch.stack([lengths[rows].sum(), (lengths[rows] > 0).sum()]) for rows in minibatches])
@@ -836,12 +835,10 @@ def loss_denominators(batch: Rollout, minibatches, cfg: Config):
 
 
 def train(cfg: Config, run, output_dir: str, threaded=None, ctx: Dist = Dist()):
-    """The producer samples a batch and scores it with the frozen models; the trainer scores it with the current
-    weights, updates, and publishes the new weights to the sampler. threaded=None: a sampler thread iff
-    --max-staleness > 0 or --inflight-updates (at staleness 0 it gives the inline loop's result to the bit).
-    Version v = the weights after v updates: batch i is sampled with version >= i - max_staleness (Producer waits
-    for it); the trainer scores and updates with version step - 1 and publishes version step. A --resume at
-    staleness 0 ends at the uninterrupted run's weights."""
+    """threaded=None: a sampler thread iff --max-staleness > 0 or --inflight-updates (at staleness 0 it gives the
+    inline loop's result to the bit). Version v = the weights after v updates: batch i is sampled with version >=
+    i - max_staleness (Producer waits for it); the trainer scores and updates with version step - 1, then publishes
+    version step. A --resume at staleness 0 ends at the uninterrupted run's weights."""
     t = start_training(cfg, run, output_dir, threaded, ctx)  # sampler copy, trained models, optimizers, a resume
     device = run.policy.device
     with StopSignal() as stop, contextlib.closing(t):
@@ -888,10 +885,8 @@ def train(cfg: Config, run, output_dir: str, threaded=None, ctx: Dist = Dist()):
 
 
 # ================================================================================================================
-# PLUMBING: everything below is called by the algorithm above.
+# PLUMBING: everything below is called by the algorithm above. First: set-up and models.
 # ================================================================================================================
-#
-# set-up and models
 
 
 def setup(cfg: Config, ctx: Dist = Dist()):
