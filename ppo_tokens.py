@@ -152,7 +152,7 @@ class Config:
     wandb_project: str = arg("", "log to this Weights & Biases project (off when empty; wandb imported only then)")
 
     def __post_init__(self):  # the defaults that depend on other flags (check_config checks the result)
-        # without a critic (README): 64 prompts x a group; one pass (GRPO's mu = 1); flat groups leave the loss
+        # critic-free (README): one pass (GRPO's mu = 1); grouped: 64 prompts x a group, flat groups leave the loss
         estimator = ADVANTAGES.get(self.advantage, ADVANTAGES["gae"])  # (check_config refuses an unknown name)
         self.steps = self.steps or (300 if estimator.critic else 800)
         self.batch_size = self.batch_size or (64 * self.samples_per_prompt if estimator.groups else 256)
