@@ -1,39 +1,24 @@
 """ppo_tokens: PPO for language models (RLHF) in one hackable file.
 
-What it does, top to bottom: a policy (any Hugging Face causal LM) samples completions for a batch of prompts with
-its own KV-cache sampling loop; a frozen reference model, a critic (value head on a causal-LM backbone) and a reward
-(a reward model, a Python function, or the demo's rule) score them; per-token rewards are the score on the last real
-token minus kl_coef * KL(policy || reference) on every token; GAE turns them into advantages; and the clipped PPO
-objective updates the policy and the critic over a few epochs of minibatches. It follows "The N+ Implementation
-Details of RLHF with PPO" (Huang et al., 2024) and TRL's PPOTrainer where they agree, and says so where it differs.
-Critic-free instead (--advantage grpo / rloo, --samples-per-prompt n): each prompt is sampled n times and every token
-of a completion gets its score's standing in its group (GRPO, Dr. GRPO, RLOO); no critic is built; the KL to the
-reference goes into the loss; --loss-agg, --clip-range-high and --mismatch-correction cover DAPO's and verl's knobs.
+A policy (any Hugging Face causal LM) samples completions with its own KV-cache loop; a frozen reference, a critic
+(a value head on a causal-LM backbone) and a reward (a reward model, a Python function, or the demo's rule) score
+them; each token's reward is -kl_coef * KL(policy || reference), plus the score on the last real token; GAE gives the
+advantages, and the clipped PPO objective updates policy and critic over a few epochs of minibatches. It follows
+"The N+ Implementation Details of RLHF with PPO" (Huang et al., 2024) and says where it differs. Each variant is one
+function plus one entry in a table: advantage estimators (ADVANTAGES: gae, reinforce++, and the critic-free grpo and
+rloo over groups of --samples-per-prompt completions), policy losses (POLICY_LOSSES: ppo, gspo, cispo) and
+policy-gradient masks (PG_MASKS). --max-staleness k: a sampler thread runs up to k policy versions ahead and decoupled
+PPO corrects for it. Under torchrun the actor and critic train data-parallel (DDP, or FSDP2 with --fsdp).
+Left out: pure-bf16 weights (fp32 master weights and AdamW), paged attention / continuous batching in the sampler.
 
-With --max-staleness k > 0 a sampler copy of the policy generates ahead of the trainer in its own thread (and CUDA
-stream), at most k policy versions behind, and the decoupled PPO objective corrects for the staleness. Under torchrun
-every rank samples its slice of each batch and the actor and critic train data-parallel (DDP, or FSDP2 with --fsdp).
---save-every / --resume checkpoint and continue a run exactly; SIGINT/SIGTERM checkpoint and exit 0.
-The sampler decodes with a preallocated KV cache (a CUDA graph per step on GPU); --micro-batch-tokens packs each
-micro-batch's real tokens into one padding-free sequence; --bf16 and --gradient-checkpointing trade precision and
-compute for memory. Deliberately left out: pure-bf16 weights (policy and critic keep fp32 master weights and AdamW;
-the sampler copy is bf16 on GPU), paged attention / continuous batching in the sampler.
-
-Run it:
-    python ppo_tokens.py                                    # built-in CPU demo: a 0.6M-parameter Llama learns addition
-    python ppo_tokens.py --model Qwen/Qwen2.5-0.5B-Instruct --prompts prompts.jsonl \\
-        --reward-model ./my_rm --response-length 256 --batch-size 64 --micro-batch-size 8 --lr 1e-6 --critic-lr 1e-5
-    python ppo_tokens.py --model ./my_policy --prompts prompts.jsonl --reward my_rewards:score --lr 1e-6
-    python ppo_tokens.py --advantage grpo --samples-per-prompt 8  # the demo critic-free (or rloo): 64 prompts x 8
-    python ppo_tokens.py --max-staleness 1                  # the overlapped loop: sample batch i+1 while training on i
-    torchrun --standalone --nproc_per_node 8 ppo_tokens.py --model ... # one node, 8 GPUs (--fsdp to shard)
-    torchrun --nnodes 2 --nproc_per_node 8 --rdzv-id JOB --rdzv-backend c10d --rdzv-endpoint HOST:PORT ppo_tokens.py ...
-    python ppo_tokens.py --resume runs/X                    # continue a run from its newest checkpoint
-    python ppo_tokens.py --bench-rollout                    # our sampler vs HF generate; packed vs padded updates
-    python ppo_tokens.py --help                             # every flag with its comment
-The numbers quoted in README.md come from the commands listed there, on the machines named there.
-Reading order: Config (the flags), then THE ALGORITHM (rollout -> scoring -> advantages -> losses -> update -> the
-loop, train()), then the PLUMBING it calls.
+    python ppo_tokens.py                                  # CPU demo: a 0.6M-parameter Llama learns addition
+    python ppo_tokens.py --model Qwen/Qwen2.5-0.5B-Instruct --prompts prompts.jsonl --reward-model ./my_rm \\
+        --response-length 256 --batch-size 64 --micro-batch-size 8 --lr 1e-6 --critic-lr 1e-5    # one GPU
+    python ppo_tokens.py --advantage grpo --samples-per-prompt 8     # the demo, critic-free
+    torchrun --standalone --nproc_per_node 8 ppo_tokens.py --model ...  # one node, 8 GPUs (--fsdp to shard)
+    python ppo_tokens.py --help                           # every flag, with its units and typical values
+README.md gives its numbers with the commands and machines they came from. Reading order: Config, THE ALGORITHM
+(rollout -> scoring -> advantages -> losses -> update -> the loop, train()), then the PLUMBING it calls.
 """
 
 import argparse, collections, contextlib, copy, dataclasses, functools, gc, hashlib, importlib, importlib.util, inspect
@@ -43,19 +28,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-
-def import_kernels():
-    """kernels.py, loaded by path as the module `ppo_tokens_kernels`: the name `kernels` belongs to the Hugging Face
-    Hub's package, which transformers >= 5.25 imports (kernels.py hands the name over when imported by it)."""
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels.py")
-    spec = importlib.util.spec_from_file_location("ppo_tokens_kernels", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-kernels = sys.modules.get("ppo_tokens_kernels") or import_kernels()
+# kernels.py, loaded by path as `ppo_tokens_kernels`: the name `kernels` belongs to the Hugging Face Hub's package,
+# which transformers >= 5.25 imports (kernels.py hands the name over when imported by it)
+if "ppo_tokens_kernels" not in sys.modules:
+    _spec = importlib.util.spec_from_file_location(
+        "ppo_tokens_kernels", os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels.py"))
+    sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(sys.modules[_spec.name])
+kernels = sys.modules["ppo_tokens_kernels"]
 from ppo_tokens_kernels import linear_token_logprobs, token_logprobs  # noqa: E402  the fused log-prob kernels
 # the fast paths (kernels.py), each checked against its plain path here: the sampler, packed forwards, timing
 from ppo_tokens_kernels import (StaticDecoder, decoder_kwargs, fall_back, fast_decoder, fused_head_agrees,  # noqa: E402
@@ -75,15 +55,14 @@ class Config:
     # what to train
     model: str = arg("", "HF causal-LM directory or hub name; empty = the built-in demo (a tiny Llama learns addition)")
     reward_model: str = arg("", "AutoModelForSequenceClassification (num_labels=1) directory: score = its output")
-    reward: str = arg("", "'module:function' with (prompts, completions, **facts) -> list[float]; facts it may take: "
-                      "completion_ids, ended (README); the demo's reward is one")
+    reward: str = arg("", "'module:function', (prompts, completions, **facts) -> list[float]; facts: completion_ids, "
+                      "ended (README)")
     prompts: str = arg("", "JSONL file, one object per line with a 'prompt' field; empty = the demo's prompts")
     chat_template: bool = arg(True, "wrap each prompt in the tokenizer's chat template when it has one")
     max_prompt_length: int = arg(512, "longest prompt in tokens; longer ones are cut or refused, see --long-prompts")
     # rollout
     steps: int = arg(0, "PPO iterations: one rollout batch and its update each; 0 = 300 with a critic, 800 without")
-    batch_size: int = arg(0, "rollouts (prompt + one sampled completion) per iteration; 0 = 256, or 64 prompts x "
-                          "--samples-per-prompt for the group estimators")
+    batch_size: int = arg(0, "completions per iteration; 0 = 256, or 64 prompts x --samples-per-prompt when grouped")
     response_length: int = arg(0, "max new tokens per completion; 0 = 4 for the demo, 128 otherwise")
     temperature: float = arg(1.0, "sampling temperature; scoring divides the logits by the same value")
     top_k: int = arg(0, "sample from the k most likely tokens only (0 = off); log-probs renormalise over that set")
@@ -92,67 +71,59 @@ class Config:
     ppo_epochs: int = arg(0, "passes over each rollout batch; 0 = 2 with a critic, 1 without (GRPO's mu = 1)")
     minibatches: int = arg(4, "optimizer steps per epoch; --batch-size must divide by it")
     micro_batch_size: int = arg(0, "rows per forward/backward, gradients accumulate; 0 = the whole minibatch")
-    micro_batch_tokens: int = arg(0, "instead: micro-batches of at most this many real tokens, packed into one "
-                                  "sequence each (padding-free; rows bucketed by length); 0 = padded rows")
+    micro_batch_tokens: int = arg(0, "instead: micro-batches of at most this many real tokens, each packed into one "
+                                  "padding-free sequence; 0 = padded rows")
     gradient_checkpointing: bool = arg(False, "recompute each decoder layer's activations in the backward")
-    bf16: bool = arg(False, "train under bf16 autocast over the fp32 master weights; the log-prob and value heads "
-                     "stay fp32")
-    lr: float = arg(0.0, "policy learning rate (AdamW); 0 = the demo's: 5e-4 with a critic, 3e-4 without; use ~1e-6 "
-                    "for real models")
+    bf16: bool = arg(False, "bf16 autocast over the fp32 master weights; the log-prob and value heads stay fp32")
+    lr: float = arg(0.0, "policy learning rate (AdamW); 0 = the demo's 5e-4 (3e-4 without a critic); ~1e-6 for real "
+                    "models")
     critic_lr: float = arg(1e-3, "critic learning rate (AdamW); use ~1e-5 for real models")
     lr_decay: bool = arg(True, "decay both learning rates linearly to 0 over --steps")
     weight_decay: float = arg(0.0, "AdamW weight decay")
     adam_eps: float = arg(1e-5, "AdamW epsilon (1e-5 as in the N+ details, not PyTorch's 1e-8)")
     max_grad_norm: float = arg(1.0, "gradient-norm clip, per model")
-    policy_loss: str = arg("ppo", "the policy loss (POLICY_LOSSES): 'ppo' (clipped ratio per token), 'gspo' "
-                           "(one clipped ratio per sequence), 'cispo' (clipped, gradient-stopped weight x log-prob)")
-    pg_mask: str = arg("all", "tokens that get the policy gradient (PG_MASKS): 'all' in the loss, or 'top-entropy' "
-                       "(the batch's 20%% highest-entropy tokens)")
+    policy_loss: str = arg("ppo", "POLICY_LOSSES: 'ppo' (a clipped ratio per token), 'gspo' (per sequence), 'cispo' "
+                           "(clipped, gradient-stopped weight x log-prob)")
+    pg_mask: str = arg("all", "PG_MASKS, the tokens with a policy gradient: 'all' in the loss, or 'top-entropy' (the "
+                       "20%% highest-entropy ones)")
     clip_range: float = arg(0.2, "PPO ratio clip epsilon")
     clip_range_high: float = arg(0.0, "upper ratio clip: 1 + this (DAPO's clip-higher, e.g. 0.28); 0 = --clip-range")
     value_clip_range: float = arg(0.2, "value-prediction clip around the rollout's values")
     entropy_coef: float = arg(0.0, "entropy bonus in the policy loss (0 = only logged)")
     kl_coef: float = arg(0.02, "weight of the per-token KL(policy || reference) penalty (see --kl-in)")
-    kl_in: str = arg("", "where the KL penalty goes: 'reward' (-kl_coef * kl_t in each token's reward) or 'loss' (+ "
-                     "kl_coef * mean kl_t in the policy loss, as GRPO); empty = the --advantage estimator's choice")
-    kl_estimator: str = arg("", "per-token KL estimator: k1 = logp - ref, k2 = (logp - ref)^2 / 2, k3 = "
-                            "e^(ref-logp) - (ref-logp) - 1; empty = k1 in the reward, k3 in the loss")
-    advantage: str = arg("gae", "advantage estimator (ADVANTAGES): 'gae' (a critic), 'reinforce++' (return-to-go "
-                         "whitened over the batch), or from each prompt's group of --samples-per-prompt completions: "
-                         "'grpo' (normalised score) or 'rloo' (leave-one-out)")
-    samples_per_prompt: int = arg(1, "completions sampled per prompt in a batch (a group); --batch-size counts "
-                                  "completions")
-    scale_rewards: str = arg("group", "grpo: divide the centred scores by the std of the group, of the batch, or "
-                             "'none' (Dr. GRPO; pair it with --loss-agg seq-mean-token-sum-norm)")
+    kl_in: str = arg("", "the KL penalty goes in the 'reward' (-kl_coef * kl_t per token) or the 'loss' (+ kl_coef * "
+                     "mean kl_t, as GRPO); empty = the --advantage estimator's choice")
+    kl_estimator: str = arg("", "k1 = logp - ref, k2 = (logp - ref)^2 / 2, k3 = e^(ref-logp) - (ref-logp) - 1; "
+                            "empty = k1 in the reward, k3 in the loss")
+    advantage: str = arg("gae", "ADVANTAGES: 'gae' (a critic), 'reinforce++' (return-to-go whitened over the batch), "
+                         "or over groups of --samples-per-prompt: 'grpo' (normalised score), 'rloo' (leave-one-out)")
+    samples_per_prompt: int = arg(1, "completions per prompt in a batch (a group); --batch-size counts completions")
+    scale_rewards: str = arg("group", "grpo: divide the centred scores by the std of the 'group', the 'batch', or "
+                             "'none' (Dr. GRPO; with --loss-agg seq-mean-token-sum-norm)")
     loss_agg: str = arg("token-mean", "a minibatch's loss from its token losses: 'token-mean', "
                         "'seq-mean-token-mean', or 'seq-mean-token-sum-norm' (token sums / --response-length)")
     drop_flat_groups: bool = arg(None, "groups whose completions all scored the same (no signal) leave the loss and "
-                                 "its denominators; default: on for the group estimators")
+                                 "its denominators; default: on for grouped estimators")
     mismatch_correction: bool = arg(False, "weight fresh tokens too by min(exp(prox_logp - behav_logp), --is-cap): "
                                     "corrects the sampler's (bf16) drift from the trainer")
     gamma: float = arg(1.0, "GAE discount")
     lam: float = arg(0.95, "GAE lambda")
     whiten_scores: bool = arg(False, "whiten the sequence scores over the batch before adding them to the rewards")
-    missing_eos_penalty: float = arg(0.0, "subtracted from the score of completions that hit --response-length "
-                                     "without EOS")
+    missing_eos_penalty: float = arg(0.0, "subtracted from the score of a completion without EOS (e.g. 1.0)")
     # the overlapped loop (sampler thread + bounded queue + packed weight sync + off-policy correction)
-    max_staleness: int = arg(0, "policy versions a rollout batch may lag the trainer: 0 = synchronous PPO, 1 = "
-                             "one-step off-policy")
-    inflight_updates: bool = arg(False, "the sampler takes new weights between decode steps (mixed-version "
-                                 "sequences, PipelineRL)")
+    max_staleness: int = arg(0, "policy versions a batch may lag the trainer: 0 = synchronous, 1 = one-step off-policy")
+    inflight_updates: bool = arg(False, "the sampler takes new weights between decode steps (PipelineRL)")
     is_cap: float = arg(2.0, "cap on the decoupled-PPO importance weight exp(prox_logp - behav_logp) of stale tokens")
-    is_mode: str = arg("truncate", "capped weights: 'truncate' (set to --is-cap) or 'mask' (set to 0: no policy "
-                       "gradient)")
+    is_mode: str = arg("truncate", "capped weights: 'truncate' (set to --is-cap) or 'mask' (0: no policy gradient)")
     max_token_age: int = arg(-1, "drop tokens sampled more than this many versions ago from the loss (-1 = keep all)")
     trace: str = arg("", "write a Chrome trace (chrome://tracing, ui.perfetto.dev) of sampler and trainer to this file")
     bench_overlap: bool = arg(False, "benchmark: run --steps iterations at --max-staleness 0, 1 and 2, print a table")
     bench_rollout: bool = arg(False, "benchmark: our sampler vs HF generate (tokens/s), and packed vs padded updates")
     static_cache: bool = arg(True, "sample with a preallocated KV cache (+ a CUDA graph per decode step on GPU); off = "
-                             "transformers' DynamicCache, one column more per step")
-    compile_sampler: bool = arg(False, "torch.compile the sampler's prefill and decode step (fused kernels, far less "
-                                "Python per token); costs ~10-40 s of compiling at start; needs the static cache")
-    full_logits: bool = arg(False, "compute log-probs from full [tokens, vocab] logits instead of the fused lm_head "
-                            "path")
+                             "transformers' DynamicCache")
+    compile_sampler: bool = arg(False, "torch.compile the sampler's prefill and decode step (~10-40 s of compiling at "
+                                "start); needs the static cache")
+    full_logits: bool = arg(False, "log-probs from full [tokens, vocab] logits, not the fused lm_head path")
     fsdp: bool = arg(False, "torchrun: shard actor/critic weights, grads, Adam states (FSDP2), not replicate (DDP)")
     # the built-in demo
     demo_warmup_max_steps: int = arg(1500, "cap on supervised warm-up steps before PPO (0 = no warm-up)")
@@ -165,31 +136,23 @@ class Config:
     eval_size: int = arg(1000, "held-out prompts per evaluation (demo only)")
     sample_every: int = arg(50, "print a few sample completions every this many iterations (0 = never)")
     # checkpoints and failures
-    save_every: int = arg(0, "write a checkpoint every this many iterations and after the last (0 = only on "
-                          "SIGINT/SIGTERM)")
-    keep_checkpoints: int = arg(2, "keep the newest this many checkpoints in --output-dir/checkpoints, delete older "
-                                "ones")
-    resume: str = arg("", "'--resume': continue from the newest whole checkpoint in --output-dir; '--resume PATH': "
-                      "from that checkpoint or run directory (its config is used; flags that change the run are "
-                      "refused)")
-    max_bad_steps: int = arg(3, "stop after this many consecutive updates skipped for non-finite rewards, losses or "
-                             "grads")
+    save_every: int = arg(0, "checkpoint every this many iterations and after the last (0 = only on SIGINT/SIGTERM)")
+    keep_checkpoints: int = arg(2, "keep the newest this many checkpoints in --output-dir/checkpoints")
+    resume: str = arg("", "bare: continue from the newest checkpoint in --output-dir; PATH: from that checkpoint or "
+                      "run directory (its config is used; flags that change the run are refused)")
+    max_bad_steps: int = arg(3, "stop after this many consecutive updates skipped for non-finite values")
     long_prompts: str = arg("truncate", "prompts over --max-prompt-length: 'truncate' (keep the last tokens) or "
                             "'refuse'")
     # run
     seed: int = arg(1, "seeds model init, sampling, data order and minibatch shuffling")
     device: str = arg("auto", "'auto' (cuda if available), 'cpu', 'cuda' or 'cuda:N'")
-    dtype: str = arg("float32", "dtype of the frozen models (reference, reward model); policy and critic train in "
-                     "float32")
-    tf32: bool = arg(True, "CUDA: float32 matmuls in TF32 (10-bit mantissa inputs, fp32 sums; several times faster); "
-                     "off = IEEE float32")
+    dtype: str = arg("float32", "dtype of the frozen models (reference, reward model); policy and critic train in fp32")
+    tf32: bool = arg(True, "CUDA: float32 matmuls in TF32 (fp32 sums, several times faster); off = IEEE float32")
     output_dir: str = arg("", "where config.json, metrics.jsonl and policy/ go; empty = runs/<date-time>")
     wandb_project: str = arg("", "log to this Weights & Biases project (off when empty; wandb imported only then)")
 
     def __post_init__(self):  # the defaults that depend on other flags (check_config checks the result)
-        # the demo's defaults without a critic (measured: README): a group of n completions shares one prompt, so 64
-        # prompts a batch; one pass each (GRPO's mu = 1); flat groups, most of a late batch, leave the loss instead of
-        # diluting it (so a lower lr). An iteration without a critic costs about half.
+        # critic-free (README): one pass (GRPO's mu = 1); grouped: 64 prompts x a group, flat groups leave the loss
         estimator = ADVANTAGES.get(self.advantage, ADVANTAGES["gae"])  # (check_config refuses an unknown name)
         self.steps = self.steps or (300 if estimator.critic else 800)
         self.batch_size = self.batch_size or (64 * self.samples_per_prompt if estimator.groups else 256)
@@ -205,12 +168,10 @@ Dist = collections.namedtuple("Dist", "rank local_rank world", defaults=(0, 0, 1
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# THE ALGORITHM, in the order it runs: the rollout, scoring, advantages, the losses, the update and the loop.
-# Everything after the PLUMBING marker further down is plumbing it calls by name.
-# One iteration of train(): generate (sample a batch) -> score_frozen (reference log-probs, the reward) ->
-# score_trainer (old log-probs, values, per_token_rewards, an ADVANTAGES estimator, a PG_MASKS mask,
-# off_policy_correction) -> ppo_update (a POLICY_LOSSES loss, value_loss) -> WeightSync.publish (the sampler pulls
-# the new weights before its next batch). A new variant is one function plus one entry in one of the three tables.
+# THE ALGORITHM, in the order it runs; the PLUMBING after it is called by name. One iteration of train():
+# generate -> score_frozen (reference log-probs, the reward) -> score_trainer (old log-probs, values, rewards, an
+# ADVANTAGES estimator, a PG_MASKS mask, the staleness weights) -> ppo_update (a POLICY_LOSSES loss, value_loss) ->
+# WeightSync.publish (the sampler pulls the new weights before its next batch).
 #
 # rollout: the policy samples a completion per prompt with its own KV-cache loop
 
@@ -228,8 +189,7 @@ class Rollout:
     kept_ids: torch.Tensor = None  # (B, T, K) ids top-k/top-p kept at each step, -1 padded; None without truncation
     prompts: list = None  # B prompt strings as the reward sees them
     completions: list = None  # B completion strings, decoded up to (not including) EOS
-    # (B, T) recomputed by the trainer's policy before the update: PPO's "old" policy, which decoupled PPO calls the
-    # proximal one; it differs from the behaviour policy (behav_logprobs) when the sampler's weights were older
+    # (B, T) under the trainer's policy before the update: PPO's "old" policy, decoupled PPO's "proximal" one
     old_logprobs: torch.Tensor = None
     entropy: torch.Tensor = None  # (B, T) the entropy of that policy's distribution at each token
     ref_logprobs: torch.Tensor = None  # (B, T) under the frozen reference
@@ -255,9 +215,9 @@ def positions(mask):  # (B, L) -> (B, L): position ids that count real tokens on
 
 
 def truncate_logits(scaled_logits, top_k: int, top_p: float):
-    """Top-k / top-p filtering of temperature-scaled logits (B, V). Returns (filtered logits, kept ids (B, K) with -1
-    on dropped slots). The kept set is recorded so the trainer can renormalise its log-probs over the same set; top-p
-    looks at the top --top-k ids only (the 64 most likely when --top-k is 0) so that the set has a fixed width."""
+    """Top-k / top-p filtering of temperature-scaled logits (B, V) -> (filtered logits, kept ids (B, K), -1 where
+    dropped); the trainer renormalises its log-probs over the same kept set. Top-p sees the top --top-k ids only (64
+    when --top-k is 0), so that the set has a fixed width."""
     V = scaled_logits.shape[-1]
     values, ids = scaled_logits.topk(min(top_k or 64, V), dim=-1)  # (B, K) sorted, largest first
     if top_p < 1.0:  # as HF: top-k first, then top-p over the renormalised top-k distribution
@@ -271,22 +231,21 @@ def truncate_logits(scaled_logits, top_k: int, top_p: float):
 
 
 def sample_tokens(probs, generator):  # (B, V) -> (B,): one draw per row
-    """torch.multinomial(probs, 1)'s own method, argmax(p / E) with E ~ Exp(1) from the same generator, so the same
-    tokens, without multinomial's two host syncs per call (its input checks): the decode step never waits."""
+    """torch.multinomial(probs, 1)'s own method, argmax(p / E) with E ~ Exp(1), so the same tokens, without
+    multinomial's two host syncs per call: the decode step never waits."""
     return probs.div(torch.empty_like(probs).exponential_(generator=generator)).argmax(-1)
 
 
 class PlainDecoder:
-    """The reference decode loop's model calls: the cache the model builds for itself (a DynamicCache grown by one
-    column per step, with recurrent states for hybrid Mamba / linear-attention layers), and a 2D attention mask
-    that transformers turns into a 4D one at every call. Works for every causal LM that setup() accepts."""
+    """The reference decode loop: the model's own cache (a DynamicCache, recurrent states for hybrid layers) and a 2D
+    attention mask grown by one column per step. Works for every causal LM that setup() accepts."""
 
     def __init__(self, model):
         self.model = model
         self.cache_kwarg, self.keep = decoder_kwargs(model)
 
     def start(self, prompt_ids, prompt_mask, position_ids):  # (B, P) each -> (B, V) logits of the first response token
-        self.mask = prompt_mask  # (B, L): grows by one column per step
+        self.mask = prompt_mask  # (B, L)
         self.position = position_ids[:, -1:]
         self.cache = {"use_cache": True}
         return self._forward(prompt_ids, position_ids)
@@ -306,13 +265,11 @@ class PlainDecoder:
 @torch.no_grad()
 def generate(sampler, prompt_ids, prompt_mask, *, max_new_tokens, temperature, stop_ids, pad_id, generator,
              top_k=0, top_p=1.0, vocab=None, policy_version=0, between_steps=None):
-    """Batched sampling, our own loop (not model.generate, so every detail is visible): left-padded prompts with
-    position ids cumsum(mask) - 1, logits / temperature, optional top-k/top-p, per-row stop at any of stop_ids (the
-    stop token is kept, pads follow it), and each token's log-prob recorded at sampling time by the same function
-    the trainer scores with. vocab: sample ids < vocab only (the tokenizer's own tokens: never our added pad).
-    sampler: a model (the plain loop) or a decoder (PlainDecoder / StaticDecoder, e.g. from fast_decoder).
-    between_steps: called between decode steps, returns the sampler's policy version (in-flight weight updates: the
-    KV cache keeps the old weights' keys and values, as in PipelineRL; every token is tagged with its version)."""
+    """Batched sampling, our own loop so that every detail is visible: left-padded prompts, logits / temperature,
+    optional top-k/top-p, per-row stop at any of stop_ids (kept; pads follow), and each token's log-prob recorded by
+    the function the trainer scores with. vocab: sample ids < vocab only (never our added pad). sampler: a model or a
+    decoder (PlainDecoder, StaticDecoder). between_steps() -> the policy version, called between decode steps
+    (in-flight weight updates, as PipelineRL: the KV cache keeps the old weights'; each token is tagged)."""
     decoder = PlainDecoder(sampler) if isinstance(sampler, nn.Module) else sampler
     logits = decoder.start(prompt_ids, prompt_mask, positions(prompt_mask))[:, :vocab]  # (B, V)
     stop_ids = torch.as_tensor(stop_ids, device=prompt_ids.device).reshape(-1)
@@ -344,8 +301,7 @@ def generate(sampler, prompt_ids, prompt_mask, *, max_new_tokens, temperature, s
                    policy_version=policy_version, ended=done, kept_ids=torch.stack(kept, 1) if kept else None)
 
 
-def decode_completions(tokenizer, batch: Rollout):
-    """Completion text up to (not including) EOS, special tokens dropped: what a reward function reads."""
+def decode_completions(tokenizer, batch: Rollout):  # what a reward function reads: the text before EOS
     lengths = (batch.response_mask.sum(-1) - batch.ended.long()).tolist()  # real tokens minus the EOS
     completions = [r[:n] for r, n in zip(batch.response.tolist(), lengths)]
     return tokenizer.batch_decode(completions, skip_special_tokens=True)
@@ -357,14 +313,13 @@ def decode_completions(tokenizer, batch: Rollout):
 
 def sequence_logprobs(model, input_ids, attention_mask, position_ids, response, response_mask, temperature,
                       kept_ids=None, full_logits=False, layout=None, vocab=None):
-    """THE token log-prob function: log pi(response_t | context) under temperature, and the entropy, for the response
-    that starts at column P = input_ids.shape[1] - response.shape[1]. The hidden state at column P-1+t predicts
-    response token t. Returns (logprobs, entropy), each (B, T) float32 and exactly 0 on masked (pad) tokens.
-    layout: the inputs are one packed row (pack_sequences); the hidden states at layout["predict"] predict the real
-    response tokens, in row-major order. vocab: the distribution is over ids < vocab only, as generate samples it."""
+    """THE token log-prob function: (log pi(response_t | context) under temperature, the entropy), each (B, T) fp32
+    and 0 on pads, for the response in the last T columns: the hidden state at column P-1+t predicts token t.
+    layout: the inputs are one packed row (pack_sequences) whose positions layout["predict"] predict the real response
+    tokens, row-major. vocab: the distribution is over ids < vocab only, as generate samples it."""
     mask = response_mask.bool()
     inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
-    if layout is None:  # (B, T, H) hidden states: the one at column P-1+t predicts response token t
+    if layout is None:  # (B, T, H) hidden states
         predict = slice(input_ids.shape[1] - response.shape[1] - 1, -1)
         targets, target_mask, kept = response, mask, kept_ids
     else:  # (1, n, H): the n real response tokens only
@@ -372,8 +327,8 @@ def sequence_logprobs(model, input_ids, attention_mask, position_ids, response, 
         predict = layout["predict"]
         targets, target_mask = response[mask][None], None
         kept = None if kept_ids is None else kept_ids[mask][None]
-    # fused path when logits are exactly hidden @ W.T (setup checks it: fused_head_agrees): never holds the
-    # [tokens, vocab] logits, see kernels.linear_token_logprobs. --bf16: the head stays fp32 (logits in fp32)
+    # fused when the logits are exactly hidden @ W.T (setup checks: fused_head_agrees): never holds [tokens, vocab]
+    # logits (kernels.linear_token_logprobs). --bf16: the head stays fp32
     head = getattr(model, "lm_head", None)
     if not full_logits and isinstance(head, nn.Linear) and head.bias is None:
         hidden = backbone_of(model)(**inputs).last_hidden_state[:, predict]
@@ -388,9 +343,8 @@ def sequence_logprobs(model, input_ids, attention_mask, position_ids, response, 
 
 
 class Actor(nn.Module):
-    """sequence_logprobs of a policy as one module forward, so DDP and FSDP2 see the whole computation: the fused
-    path reads lm_head.weight directly, which only the forward of the module they wrap syncs (DDP) or gathers
-    (FSDP2)."""
+    """sequence_logprobs of a policy as one module forward, so DDP and FSDP2 see it all: the fused path reads
+    lm_head.weight directly, which only the wrapped module's forward syncs (DDP) or gathers (FSDP2)."""
 
     def __init__(self, policy, temperature: float, full_logits=False, vocab=None):
         super().__init__()
@@ -406,8 +360,7 @@ class Actor(nn.Module):
 
 def full_sequence(batch: Rollout):  # prompt + response as one left-padded sequence, its mask and position ids
     attention_mask = torch.cat([batch.prompt_mask, batch.response_mask], 1)  # (B, P+T)
-    # id 0 on the pads, which no real position sees: our pad id lies outside the embedding of a reward model (and of
-    # the critic copied from it) that shares the policy's vocabulary
+    # id 0 on the pads: our pad id lies outside the embedding of a reward model (and its critic) with our vocabulary
     input_ids = torch.cat([batch.prompt_ids, batch.response], 1).masked_fill(attention_mask == 0, 0)  # (B, P+T)
     return input_ids, attention_mask, positions(attention_mask)
 
@@ -416,22 +369,21 @@ def model_inputs(batch: Rollout, cfg: Config):  # (input_ids, attention_mask, po
     return packed_inputs(batch) if cfg.micro_batch_tokens else (*full_sequence(batch), None)
 
 
-def packed_inputs(batch: Rollout):  # the fast path of model_inputs: the batch's real tokens as one row (kernels.py)
+def packed_inputs(batch: Rollout):  # the batch's real tokens as one row (kernels.py)
     input_ids, attention_mask, _ = full_sequence(batch)
     return pack_sequences(input_ids, attention_mask, batch.prompt_mask.sum(1), batch.response_mask)
 
 
 def rollout_logprobs(model, batch: Rollout, cfg: Config, inputs=None):  # (logprobs, entropy), (B, T) each
-    """Of a batch's responses; inputs: model_inputs(batch, cfg) when the caller already has them (for the critic)."""
     is_actor = isinstance(getattr(model, "module", model), Actor)  # (DDP's module)
     actor = model if is_actor else Actor(model, cfg.temperature, cfg.full_logits)
-    *inputs, layout = inputs or model_inputs(batch, cfg)
+    *inputs, layout = inputs or model_inputs(batch, cfg)  # inputs: model_inputs(batch, cfg), when the caller has them
     return actor(*inputs, batch.response, batch.response_mask, batch.kept_ids, layout)
 
 
 def critic_values(critic, batch: Rollout, inputs=None):  # (B, T): V(state before response token t), column P-1+t
-    mask = batch.response_mask.bool()  # inputs: model_inputs(batch, cfg); None = padded
-    *inputs, layout = inputs or (*full_sequence(batch), None)
+    mask = batch.response_mask.bool()
+    *inputs, layout = inputs or (*full_sequence(batch), None)  # inputs: model_inputs(batch, cfg); None = padded
     if layout is not None:
         values = critic(*inputs, packed_layout=layout)[0, layout["predict"]]  # (n,)
         return torch.zeros_like(mask, dtype=values.dtype).masked_scatter(mask, values)
@@ -441,8 +393,8 @@ def critic_values(critic, batch: Rollout, inputs=None):  # (B, T): V(state befor
 
 @torch.no_grad()
 def score_frozen(batch: Rollout, reference, reward_fn, cfg: Config):
-    """The sampler side of scoring: reference log-probs and sequence scores need no trainer weights, so in the
-    overlapped loop they run in the producer thread (on the sampler's CUDA stream), hidden behind the update."""
+    """The sampler's side of scoring, which needs no trainer weights: sequence scores and reference log-probs (in the
+    overlapped loop, in the producer thread, hidden behind the update)."""
     batch.raw_scores = reward_fn(batch)  # (B,)
     batch.scores = batch.raw_scores - cfg.missing_eos_penalty * (~batch.ended).float()  # N+: penalise runs without EOS
     scored = torch.ones_like(batch.ended)  # (B,) the rows that need reference log-probs
@@ -462,9 +414,7 @@ def masked_mean(x, mask, denom=None):  # mean of x over mask == 1 (or sum / deno
     return torch.where(mask.bool(), x, 0.0).sum() / (mask.sum().clamp(min=1) if denom is None else denom)
 
 
-def masked_moments(x, mask):
-    """(mean, unbiased variance) of x over mask == 1; under torchrun over every rank's elements, so the result does
-    not depend on how the batch was split."""
+def masked_moments(x, mask):  # (mean, unbiased variance) of x over mask == 1, over every rank's elements
     mask = mask.bool()
     total = all_reduce(torch.stack([torch.where(mask, x, 0.0).sum(), mask.sum().to(x.dtype)]))  # (sum, count)
     mean, n = total[0] / total[1], total[1]
@@ -472,16 +422,14 @@ def masked_moments(x, mask):
 
 
 def global_masked_means(pairs) -> list:
-    """[masked_mean(x, mask) for x, mask in pairs] over every rank's elements (one collective), for the logged
-    statistics: under torchrun a mean of the ranks' means would weigh a rank's few loss rows as another's many."""
+    """[masked_mean(x, mask) for x, mask in pairs] over every rank's elements, in one collective: a mean of the
+    ranks' means would weigh a rank's few loss rows as another's many."""
     parts = [torch.stack([torch.where(m.bool(), x, 0.0).sum().double(), m.bool().sum().double()]) for x, m in pairs]
     totals = all_reduce(torch.stack(parts))  # (n, 2): sums and counts
     return (totals[:, 0] / totals[:, 1].clamp(min=1)).tolist()
 
 
-def masked_whiten(x, mask):
-    """(x - mean) / std over the real tokens only: pads neither shift the statistics nor get a value (they stay 0).
-    Unbiased variance, as TRL; over all ranks (masked_moments)."""
+def masked_whiten(x, mask):  # (x - mean) / std over the real tokens (unbiased, as TRL; all ranks'); pads stay 0
     mean, var = masked_moments(x, mask)
     return torch.where(mask.bool(), (x - mean) * torch.rsqrt(var + 1e-8), 0.0)
 
@@ -500,10 +448,9 @@ def kl_estimate(logprobs, ref_logprobs, estimator: str):
 
 
 def per_token_rewards(scores, kl, response_mask, kl_coef):
-    """r_t = -kl_coef * kl_t on every real token, plus the sequence score on the last real token (never on a pad:
-    the index is mask.sum() - 1, and the mask covers exactly the sampled tokens up to and including EOS)."""
-    mask = response_mask.bool()
-    rewards = torch.where(mask, -kl_coef * kl, 0.0)  # (B, T)
+    """r_t = -kl_coef * kl_t on every real token, plus the sequence score on the last real token (index mask.sum() - 1:
+    the mask covers exactly the sampled tokens up to and including EOS, so never a pad)."""
+    rewards = torch.where(response_mask.bool(), -kl_coef * kl, 0.0)  # (B, T)
     last = response_mask.sum(-1, keepdim=True) - 1  # (B, 1); every response has >= 1 real token
     return rewards.scatter_add(1, last, scores[:, None].to(rewards.dtype))
 
@@ -528,10 +475,9 @@ def flat_groups(scores, n: int):  # (B,) bool: the row's group of n completions 
     return (groups == groups[:, :1]).all(1).repeat_interleave(n)
 
 
-# The advantage estimators. Each is fn(batch, cfg) -> (advantages (B, T), the critic's targets (B, T) or None), from
-# batch.rewards (the score on the last real token, with --kl-in reward minus kl_coef * kl_t on every token) and, with
-# a critic, batch.values. Each declares what it needs: a critic (setup builds one, the update trains it), groups of
-# --samples-per-prompt completions of a prompt (rows g*n .. g*n + n-1), and where the KL goes by default.
+# The advantage estimators: fn(batch, cfg) -> (advantages (B, T), the critic's targets (B, T) or None), from
+# batch.rewards and, with a critic, batch.values. Each declares what it needs: a critic (setup builds it, the update
+# trains it), groups of --samples-per-prompt completions of one prompt (rows g*n .. g*n + n-1), where the KL goes.
 
 
 def gae_advantages(batch: Rollout, cfg: Config):  # PPO: GAE over the critic's values, whitened over the real tokens
@@ -540,14 +486,13 @@ def gae_advantages(batch: Rollout, cfg: Config):  # PPO: GAE over the critic's v
 
 
 def reinforce_pp_advantages(batch: Rollout, cfg: Config):
-    """REINFORCE++ (Hu 2025): each token's return-to-go G_t = sum_{k >= t} gamma^(k-t) r_k, the KL in the rewards,
-    whitened over every real token of the batch: the batch is the baseline, so no critic and no groups (one
-    completion per prompt will do). G is GAE with V = 0 and lambda = 1."""
+    """REINFORCE++ (Hu 2025): the return-to-go G_t = sum_{k >= t} gamma^(k-t) r_k (GAE with V = 0, lambda = 1), the KL
+    in the rewards, whitened over the batch's real tokens: the batch is the baseline, so neither critic nor groups."""
     returns, _ = gae(batch.rewards, torch.zeros_like(batch.rewards), batch.response_mask, cfg.gamma, 1.0)
     return masked_whiten(returns, batch.response_mask), None
 
 
-def group_centred(batch: Rollout, cfg: Config):  # (B / n, n) each completion's return minus its group's mean
+def group_centred(batch: Rollout, cfg: Config):  # (B / n, n): each completion's return minus its group's mean
     groups = batch.rewards.sum(-1).view(-1, cfg.samples_per_prompt)  # the score minus the KL in the rewards
     return groups, groups - groups.mean(1, keepdim=True)
 
@@ -557,9 +502,9 @@ def each_token(advantage, batch: Rollout):  # (B / n, n) -> (B, T): every token 
 
 
 def grpo_advantages(batch: Rollout, cfg: Config, eps=1e-6):
-    """GRPO (Shao et al. 2024, DeepSeekMath): A_i = (s_i - mean_group s) / (std_group s + eps), the std unbiased as in
-    TRL and verl; --scale-rewards batch: the std of the whole batch (every rank's) instead; none: no division
-    (Dr. GRPO, Liu et al. 2025: the std favours prompts that are almost always solved or failed)."""
+    """GRPO (Shao et al. 2024, DeepSeekMath): A_i = (s_i - mean_group s) / (std_group s + eps), unbiased std as TRL and
+    verl; --scale-rewards batch: the std of the whole batch (all ranks'); none: no division (Dr. GRPO, Liu et al.
+    2025: the std favours prompts that are almost always solved or failed)."""
     groups, centred = group_centred(batch, cfg)
     if cfg.scale_rewards == "group":
         centred = centred / (groups.std(1, keepdim=True) + eps)
@@ -582,8 +527,8 @@ ADVANTAGES = {"gae": Estimator(gae_advantages, critic=True, groups=False, kl_in=
               "rloo": Estimator(rloo_advantages, critic=False, groups=True, kl_in="loss")}
 
 
-# The policy-gradient token masks: fn(batch, cfg) -> (B, T) bool, the loss tokens whose policy loss counts (the KL,
-# entropy and value terms, and every denominator, keep the whole loss mask).
+# The policy-gradient masks: fn(batch, cfg) -> (B, T) bool, the loss tokens whose policy loss counts (the KL, entropy
+# and value terms, and every denominator, keep the whole loss mask).
 
 
 def all_loss_tokens(batch: Rollout, cfg: Config):
@@ -591,8 +536,8 @@ def all_loss_tokens(batch: Rollout, cfg: Config):
 
 
 def top_entropy_tokens(batch: Rollout, cfg: Config, fraction=0.2):
-    """Only the 20% highest-entropy loss tokens (the "forking" tokens) get the policy gradient (Wang et al. 2025,
-    "Beyond the 80/20 rule"), ranked by the proximal policy's entropy over this rank's batch."""
+    """Only the 20% highest-entropy loss tokens (the "forking" tokens; Wang et al. 2025, "Beyond the 80/20 rule"), by
+    the proximal policy's entropy over this rank's batch."""
     mask = batch.loss_mask.bool()
     if not mask.any():
         return mask
@@ -604,15 +549,16 @@ PG_MASKS = {"all": all_loss_tokens, "top-entropy": top_entropy_tokens}
 
 @torch.no_grad()
 def score_trainer(batch: Rollout, policy, critic, cfg: Config, row_order=None, version=None):
-    """The trainer side: proximal ("old") log-probs and values need the current weights, so the trainer computes them
-    right before its update, in the same micro-batch rows as the first training epoch (update_minibatches of
-    row_order), so the first epoch's ratio is bit-exactly 1 (see ppo_update). Then the per-token rewards, the
-    advantages (ADVANTAGES), the policy-gradient mask (PG_MASKS) and the staleness correction.
-    version: the trainer's policy version (None = every token is fresh: plain PPO). critic: None without one.
-    Returns the per-token KL."""
+    """The trainer's side of scoring, with the current weights, right before the update: proximal ("old") log-probs
+    and values in the micro-batches of the first epoch (row_order), so that its ratio is bit-exactly 1; then the
+    rewards, the ADVANTAGES, the PG_MASKS mask and the staleness correction. version: the trainer's policy version
+    (None: every token is fresh, plain PPO). critic: None without one. Returns the per-token KL."""
     n = cfg.samples_per_prompt
     flat = flat_groups(batch.scores, n) if n > 1 else torch.zeros_like(batch.ended)  # (B,) groups without signal
-    batch.loss_mask = loss_tokens(batch, cfg, version, flat & cfg.drop_flat_groups)
+    mask = batch.response_mask.bool()
+    if cfg.max_token_age >= 0 and version is not None:  # tokens sampled more than --max-token-age versions ago
+        mask = mask & (version - batch.policy_version <= cfg.max_token_age)
+    batch.loss_mask = (mask & ~(flat & cfg.drop_flat_groups)[:, None]).long()  # (B, T)
     batch.loss_rows = batch.response_mask.bool() & batch.loss_mask.bool().any(1, keepdim=True)  # (B, T)
     row_order = torch.arange(len(batch.response)) if row_order is None else row_order
     first_epoch = update_minibatches(batch, cfg, [row_order])
@@ -626,38 +572,26 @@ def score_trainer(batch: Rollout, policy, critic, cfg: Config, row_order=None, v
             batch.old_logprobs[rows], batch.entropy[rows] = rollout_logprobs(policy, mb, cfg, inputs)
             if critic is not None:
                 batch.values[rows] = critic_values(critic, mb, inputs)
-    mask = batch.response_mask.bool()
     if cfg.whiten_scores:  # here, not in the producer: under torchrun it is a collective, which only this thread runs
         batch.scores = masked_whiten(batch.scores, torch.ones_like(batch.scores))
-    kl = torch.where(mask, kl_estimate(batch.old_logprobs, batch.ref_logprobs, cfg.kl_estimator), 0.0)  # (B, T)
-    reward_kl_coef = cfg.kl_coef if cfg.kl_in == "reward" else 0.0  # (--kl-in loss: ppo_update adds it)
+    kl = kl_estimate(batch.old_logprobs, batch.ref_logprobs, cfg.kl_estimator)
+    kl = torch.where(batch.response_mask.bool(), kl, 0.0)  # (B, T)
+    reward_kl_coef = cfg.kl_coef if cfg.kl_in == "reward" else 0.0  # (--kl-in loss: micro_step adds it)
     batch.rewards = per_token_rewards(batch.scores, kl, batch.response_mask, reward_kl_coef)
     batch.advantages, batch.returns = ADVANTAGES[cfg.advantage].fn(batch, cfg)
     batch.pg_mask = PG_MASKS[cfg.pg_mask](batch, cfg)
     off_policy_correction(batch, cfg, version)
-    if n > 1:  # groups without signal: counted (and with --drop-flat-groups out of the loss: loss_tokens)
+    if n > 1:  # groups without signal: counted (and with --drop-flat-groups out of the loss)
         batch.correction["zero_std_groups"] = int(flat.sum()) // n
     return kl
-
-
-def loss_tokens(batch: Rollout, cfg: Config, version=None, dropped_rows=None):  # (B, T) long
-    """The response tokens the loss sees: less those older than --max-token-age (policy versions behind the trainer's
-    version), and dropped_rows (B,) bool: with --drop-flat-groups, the groups whose completions all scored the same."""
-    mask = batch.response_mask.bool()
-    if cfg.max_token_age >= 0 and version is not None:
-        mask = mask & (version - batch.policy_version <= cfg.max_token_age)
-    if dropped_rows is not None:
-        mask = mask & ~dropped_rows[:, None]
-    return mask.long()
 
 
 def off_policy_correction(batch: Rollout, cfg: Config, version=None):
     """Staleness: the tokens an older policy sampled (age = version - policy_version > 0) get the decoupled-PPO
     importance weight (Hilton et al. 2022; AReaL), the proximal policy being the trainer's current one:
         w_t = exp(prox_logp_t - behav_logp_t), capped at --is-cap (truncated or masked); exactly 1 for fresh tokens,
-    so at --max-staleness 0 this is plain PPO to the bit. (Tokens older than --max-token-age left the loss:
-    loss_tokens.) --mismatch-correction: fresh tokens get the same truncated weight (Yao et al. 2025, "Your efficient
-    RL framework secretly brings you off-policy RL training"): a sampler whose numerics differ from the trainer's
+    so at --max-staleness 0 this is plain PPO to the bit. --mismatch-correction: fresh tokens get it too (Yao et al.
+    2025, "Your efficient RL framework secretly brings you off-policy RL training"): a sampler with other numerics
     (bf16, other kernels) is a slightly different policy even at the same version."""
     mask = batch.response_mask.bool()
     in_loss = batch.loss_rows  # what the statistics cover: a row skipped (skip_loss_free_rows) has no prox log-probs
@@ -684,15 +618,14 @@ def off_policy_correction(batch: Rollout, cfg: Config, version=None):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# the losses. A policy loss is fn(logprobs, mb, cfg) -> (per-token loss (b, T), per-token statistics): logprobs are
-# the current policy's (with gradient), mb the micro-batch (its old_logprobs, advantages, loss_mask, ...).
-# policy_objective applies what every loss shares: the staleness weight, the policy-gradient mask, the aggregation.
+# the losses. A policy loss is fn(logprobs, mb, cfg) -> (per-token loss (b, T), per-token statistics), logprobs the
+# current policy's (with gradient), mb the micro-batch. policy_objective applies what every loss shares: the
+# staleness weight, the policy-gradient mask, the aggregation.
 
 
 def clipped_surrogate(ratio, advantages, cfg: Config):
-    """PPO's clipped surrogate (Schulman et al., 2017) per token: L_t = max(-A_t r_t, -A_t clip(r_t, 1 - eps,
-    1 + eps_high)), eps_high = --clip-range-high or eps (DAPO's clip-higher, Yu et al. 2025, lets unlikely tokens
-    grow more)."""
+    """PPO's clipped surrogate (Schulman et al., 2017): L_t = max(-A_t r_t, -A_t clip(r_t, 1 - eps, 1 + eps_high)),
+    eps_high = --clip-range-high or eps (DAPO's clip-higher, Yu et al. 2025: unlikely tokens may grow more)."""
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - cfg.clip_range, 1.0 + (cfg.clip_range_high or cfg.clip_range))
     return torch.maximum(unclipped, clipped), {"clipfrac": clipped > unclipped}
@@ -713,8 +646,8 @@ def gspo_loss(logprobs, mb: Rollout, cfg: Config):
 
 
 def cispo_loss(logprobs, mb: Rollout, cfg: Config):
-    """CISPO (MiniMax-M1, 2025): the importance weight, clipped and gradient-stopped, times the token's log-prob,
-    L_t = -sg(clip(r_t, 1 - eps, 1 + eps_high)) * A_t * logp_t: unlike PPO's clip, no token loses its gradient."""
+    """CISPO (MiniMax-M1, 2025): L_t = -sg(clip(r_t, 1 - eps, 1 + eps_high)) * A_t * logp_t, the clipped importance
+    weight gradient-stopped: unlike PPO's clip, no token loses its gradient."""
     ratio = torch.exp(logprobs - mb.old_logprobs)
     weight = torch.clamp(ratio, 1.0 - cfg.clip_range, 1.0 + (cfg.clip_range_high or cfg.clip_range)).detach()
     return -weight * mb.advantages * logprobs, {"clipfrac": weight != ratio}
@@ -723,8 +656,8 @@ def cispo_loss(logprobs, mb: Rollout, cfg: Config):
 POLICY_LOSSES = {"ppo": ppo_loss, "gspo": gspo_loss, "cispo": cispo_loss}
 
 # A micro-batch's part of its minibatch's loss (loss_denominators): the minibatch's real tokens over all ranks (the
-# logged token means' denominator), its --loss-agg denominator, and each row's token weight (b, 1) or None. The
-# defaults: token means over the micro-batch itself.
+# logged token means' denominator), its --loss-agg denominator, each row's token weight (b, 1) or None. The default:
+# token means over the micro-batch itself.
 Share = collections.namedtuple("Share", "tokens denom token_weight", defaults=(None, None, None))
 
 
@@ -733,9 +666,9 @@ def aggregate(x, mask, share: Share = Share()):  # the sum of x over mask, weigh
 
 
 def policy_objective(logprobs, mb: Rollout, cfg: Config, share: Share = Share()):
-    """The --policy-loss's per-token loss times the decoupled-PPO importance weight (off_policy_correction; exactly 1
-    for fresh tokens, so plain PPO to the bit), over the policy-gradient mask, aggregated. Returns (loss, statistics:
-    the loss's, token means, and approx KL(old || new) = mean (r - 1) - log r (k3) and max |r - 1|)."""
+    """The --policy-loss's token losses times the decoupled-PPO weight (exactly 1 when fresh), over the pg mask,
+    aggregated. Returns (loss, statistics: the loss's token means, approx KL(old || new) = mean (r - 1) - log r (k3),
+    max |r - 1|)."""
     token_loss, token_stats = POLICY_LOSSES[cfg.policy_loss](logprobs, mb, cfg)
     if mb.is_weight is not None:
         token_loss = token_loss * mb.is_weight
@@ -749,8 +682,8 @@ def policy_objective(logprobs, mb: Rollout, cfg: Config, share: Share = Share())
 
 
 def value_loss(values, old_values, returns, mask, clip_range, share: Share = Share()):
-    """Clipped value loss (as in OpenAI's baselines / the N+ details): the prediction may move at most clip_range
-    from the rollout's value, and the worse of the clipped and unclipped squared errors is taken:
+    """Clipped value loss (OpenAI's baselines, the N+ details): the prediction moves at most clip_range from the
+    rollout's value, and the worse squared error counts:
         L = 0.5 * mean_t max((V_t - R_t)^2, (old_V_t + clip(V_t - old_V_t, -c, c) - R_t)^2), the mean as --loss-agg."""
     clipped = old_values + torch.clamp(values - old_values, -clip_range, clip_range)
     squared = torch.maximum((values - returns) ** 2, (clipped - returns) ** 2)
@@ -785,10 +718,9 @@ def gradient_sync(models, enabled: bool):  # DDP / FSDP2: all-reduce gradients i
 
 def ppo_update(policy, critic, policy_opt, critic_opt, batch: Rollout, cfg: Config, row_orders):
     """ppo_epochs x minibatches optimizer steps on one batch; row_orders[e] is epoch e's row order (epoch 0's is the
-    one scoring used). Micro-batch losses are divided by their minibatch's denominator over all ranks
-    (loss_denominators), so accumulation gives the one big batch's --loss-agg; gradients sync on the last micro-step.
-    critic and critic_opt are None without a critic. A NaN/inf loss or grad norm skips that step and the rest
-    (earlier steps stand): returns {"nonfinite": where}."""
+    one scoring used). Each micro-batch's loss is its share of its minibatch's over all ranks (loss_denominators);
+    gradients sync on the last micro-step. critic, critic_opt: None without a critic. A NaN/inf loss or grad norm
+    skips that step and the rest (earlier steps stand): returns {"nonfinite": where}."""
     sums = {}  # each logged statistic, summed over the optimizer steps
     n_steps = 0
     first_ratio_max_dev = torch.zeros(())
@@ -814,10 +746,13 @@ def ppo_update(policy, critic, policy_opt, critic_opt, batch: Rollout, cfg: Conf
             continue
         norms = [torch.nn.utils.clip_grad_norm_(m.parameters(), cfg.max_grad_norm) for m in models]
         norms = [getattr(n, "full_tensor", lambda: n)() for n in norms]  # FSDP2 returns a DTensor
-        problem = nonfinite_step([sums["pg_loss"]] + ([sums["vf_loss"]] if critic is not None else []), norms)
-        if problem is not None:
+        losses = [sums["pg_loss"]] + ([sums["vf_loss"]] if critic is not None else [])
+        finite = torch.isfinite(torch.stack([*losses, *norms])).tolist()  # one sync
+        if any_rank(not all(finite), norms[0].device):  # the non-finite guard, decided by all ranks together
             for optimizer in optimizers:
                 optimizer.zero_grad(set_to_none=True)
+            names = ["policy loss", "value loss"][:len(models)] + ["policy grad norm", "critic grad norm"][:len(models)]
+            problem = ", ".join([n for n, ok in zip(names, finite) if not ok] or ["loss on another rank"])
             return {"nonfinite": f"{problem} at epoch {epoch + 1} minibatch {minibatch + 1} (after {n_steps} finite "
                                  "steps)"}
         for name, norm in zip(("grad_norm", "critic_grad_norm"), norms):
@@ -831,9 +766,8 @@ def ppo_update(policy, critic, policy_opt, critic_opt, batch: Rollout, cfg: Conf
 
 
 def update_minibatches(batch: Rollout, cfg: Config, row_orders):
-    """The rows of each optimizer step, epoch by epoch: row_orders[e] (epoch e's row order) split into --minibatches,
-    less the rows without a loss token when skip_loss_free_rows. A minibatch keeps one row, so that each rank still
-    steps in DDP's lockstep."""
+    """The rows of each optimizer step, epoch by epoch: each row order split into --minibatches, less the rows without
+    a loss token when skip_loss_free_rows (a minibatch keeps one row, so that the ranks still step in lockstep)."""
     minibatch_size = batch.response.shape[0] // cfg.minibatches
     minibatches = [rows for order in row_orders for rows in order.to(batch.response.device).split(minibatch_size)]
     has_loss = batch.loss_mask.any(1)  # (B,)
@@ -844,19 +778,16 @@ def update_minibatches(batch: Rollout, cfg: Config, row_orders):
 
 
 def skip_loss_free_rows(cfg: Config) -> bool:
-    """Whether a row without a loss token (a dropped flat group, tokens past --max-token-age) skips every forward after
-    the reward: the reference's, the scoring pass and the update's. It adds nothing to the loss or its gradient, and
-    without a critic and with the KL in the loss nothing else reads those forwards (GAE needs every row's values; a
-    KL in the reward enters the baselines). Not under torchrun with micro-batches: the ranks' micro-batch counts must
-    agree (FSDP2 gathers the weights in each forward, a collective)."""
+    """Whether the rows without a loss token (dropped flat groups, tokens past --max-token-age) skip every forward
+    after the reward. Only without a critic (GAE needs every row's values) and with the KL in the loss (a KL in the
+    reward enters the baselines); not under torchrun with micro-batches, whose counts must agree across ranks."""
     lockstep = torch.distributed.is_initialized() and (cfg.micro_batch_size or cfg.micro_batch_tokens)
     return not ADVANTAGES[cfg.advantage].critic and cfg.kl_in == "loss" and not lockstep
 
 
 def micro_step(policy, critic, mb: Rollout, cfg: Config, share: Share) -> dict:
-    """One micro-batch's forward and backward: the policy's objective (policy_objective, minus the entropy bonus;
-    plus, with --kl-in loss, kl_coef * the KL to the reference, its gradient through the policy's log-probs) and the
-    critic's clipped value loss, each as its share of the minibatch's loss. Returns the statistics (tensors)."""
+    """One micro-batch's forward and backward, as its share of the minibatch's loss: policy_objective, minus the
+    entropy bonus, plus with --kl-in loss kl_coef * the KL to the reference; the critic's value_loss."""
     inputs = model_inputs(mb, cfg)  # packed once for both models
     with autocast(cfg, mb.response.device):
         logprobs, entropy = rollout_logprobs(policy, mb, cfg, inputs)
@@ -879,24 +810,12 @@ def micro_step(policy, critic, mb: Rollout, cfg: Config, share: Share) -> dict:
     return stats
 
 
-def nonfinite_step(losses, norms):
-    """The non-finite guard of one optimizer step, decided by all ranks together: None, or which of the summed
-    losses (policy, value) and grad norms (policy, critic) is NaN or inf."""
-    finite = torch.isfinite(torch.stack([*losses, *norms])).tolist()  # one sync
-    if not any_rank(not all(finite), norms[0].device):
-        return None
-    names = ["policy loss", "value loss"][:len(losses)] + ["policy grad norm", "critic grad norm"][:len(norms)]
-    return ", ".join([n for n, ok in zip(names, finite) if not ok] or ["loss on another rank"])
-
-
 def loss_denominators(batch: Rollout, minibatches, cfg: Config):
-    """Each minibatch's denominators over all ranks, / world as DDP averages gradients (one collective): its real
-    tokens (token means: the logged statistics) and its loss's (--loss-agg): the tokens (token-mean); the sequences,
-    each token weighted by 1 / its sequence's tokens (seq-mean-token-mean); the sequences x --response-length
-    (seq-mean-token-sum-norm, Dr. GRPO: a constant, so a long answer's tokens weigh no less). A minibatch without a
-    token or sequence on any rank divides by 1, not 0, and is marked empty (ppo_update skips its step). Returns
-    (tokens (M,), loss denominators (M,), row weights (B,) or None, empty (M,) bools), so that the loss is the same
-    however the minibatch is split into micro-batches and ranks."""
+    """Each minibatch's denominators over all ranks (/ world, as DDP averages gradients), so that its loss does not
+    depend on the split into micro-batches and ranks: its real tokens (the logged means) and --loss-agg's: the tokens
+    (token-mean); the sequences, each token weighted by 1 / its sequence's tokens (seq-mean-token-mean); sequences x
+    --response-length (seq-mean-token-sum-norm, Dr. GRPO: a long answer's tokens weigh no less). Returns (tokens (M,),
+    denominators (M,), row weights (B,) or None, empty (M,): no token on any rank, so ppo_update takes no step)."""
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     lengths = batch.loss_mask.sum(1)  # (B,)
     counts = torch.stack([torch.stack([lengths[rows].sum(), (lengths[rows] > 0).sum()]) for rows in minibatches])
@@ -916,14 +835,10 @@ def loss_denominators(batch: Rollout, minibatches, cfg: Config):
 
 
 def train(cfg: Config, run, output_dir: str, threaded=None, ctx: Dist = Dist()):
-    """The loop: the producer samples a batch and scores it with the frozen models; the trainer scores it with the
-    current weights, updates, and publishes the new weights to the sampler. threaded=None: a sampler thread iff
-    --max-staleness > 0 or --inflight-updates (at staleness 0 the thread gives the inline loop's result to the bit).
-    A --resume at staleness 0 ends at the uninterrupted run's weights: prompt order, generators, optimizers and
-    schedules all resume exactly.
-    Versions: version v = the weights after v updates. The producer samples batch i with version >= i - max_staleness
-    (Producer waits for it); the trainer scores and updates with version step - 1, then publishes version step, which
-    the sampler pulls before its next batch (or decode step, with --inflight-updates)."""
+    """threaded=None: a sampler thread iff --max-staleness > 0 or --inflight-updates (at staleness 0 it gives the
+    inline loop's result to the bit). Version v = the weights after v updates: batch i is sampled with version >=
+    i - max_staleness (Producer waits for it); the trainer scores and updates with version step - 1, then publishes
+    version step. A --resume at staleness 0 ends at the uninterrupted run's weights."""
     t = start_training(cfg, run, output_dir, threaded, ctx)  # sampler copy, trained models, optimizers, a resume
     device = run.policy.device
     with StopSignal() as stop, contextlib.closing(t):
@@ -934,7 +849,7 @@ def train(cfg: Config, run, output_dir: str, threaded=None, ctx: Dist = Dist()):
         for step in range(t.start + 1, cfg.steps + 1):
             # 1. the next batch: sampled by the sampler, scored by the reference and the reward (make_batch)
             batch = t.producer.get()
-            # 2. scored with the current weights: old log-probs, values, rewards, GAE, the staleness correction
+            # 2. scored with the current weights: old log-probs, values, rewards, advantages, staleness weights
             with t.tracer.span("score: old log-probs, values", "trainer"):
                 shuffle = [torch.randperm(len(batch.response), generator=t.shuffle_generator)
                            for _ in range(cfg.ppo_epochs)]  # each epoch's row order; the first one also scores
@@ -951,8 +866,7 @@ def train(cfg: Config, run, output_dir: str, threaded=None, ctx: Dist = Dist()):
                 for schedule in t.schedules:
                     schedule.step()
                 update_s = time.time() - update_start
-            # 4. the new weights become version `step` in a staging buffer; the sampler copies them into its own
-            # weights (WeightSync.pull, called by make_batch) before its next batch
+            # 4. the new weights become version `step`; the sampler pulls them before its next batch (make_batch)
             with t.tracer.span("publish weights", "trainer"):
                 t.sync.publish(step)
                 sync_ms = t.sync.sync_ms()
@@ -970,12 +884,9 @@ def train(cfg: Config, run, output_dir: str, threaded=None, ctx: Dist = Dist()):
     return t.history
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # ================================================================================================================
-# PLUMBING: everything below is called by the algorithm above.
+# PLUMBING: everything below is called by the algorithm above. First: set-up and models.
 # ================================================================================================================
-#
-# set-up and models
 
 
 def setup(cfg: Config, ctx: Dist = Dist()):
