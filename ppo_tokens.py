@@ -957,9 +957,8 @@ def run_device(cfg: Config, ctx: Dist):  # --device; under torchrun one GPU per 
 
 
 def load_policy(cfg: Config, device):
-    """The policy (--model, or the demo's) and its tokenizer, checked for what sampling needs: an architecture the
-    batched sampler serves, an EOS, every stop id, a pad distinct from them. fp32 master weights (bf16 Adam updates
-    round away), dropout off. Returns (tokenizer, policy, stop ids, the sampled vocabulary)."""
+    """The policy (--model, or the demo's) and its tokenizer, checked for what the sampler needs; fp32 master weights
+    (bf16 Adam updates round away). Returns (tokenizer, policy, stop ids, the sampled vocabulary)."""
     if cfg.model:
         from transformers import AutoModelForCausalLM, AutoTokenizer
         try:
@@ -987,8 +986,7 @@ def load_policy(cfg: Config, device):
     return tokenizer, policy, stop_ids, vocab
 
 
-def build_demo_tokenizer():
-    """Character-level tokenizer for the addition demo, as a PreTrainedTokenizerFast (so it is any HF tokenizer)."""
+def build_demo_tokenizer():  # the addition demo's: one token per character, a PreTrainedTokenizerFast like any other
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
     vocab = {t: i for i, t in enumerate(["<pad>", "<bos>", "<eos>", "<unk>", *"0123456789+="])}
@@ -1000,8 +998,7 @@ def build_demo_tokenizer():
                                    unk_token="<unk>", padding_side="left")
 
 
-def build_demo_policy(tokenizer, seed: int, hidden=128, layers=3):
-    """~0.6M-parameter Llama (hidden 128, 3 layers, 4 heads), the size calibrated in shared/DEMO-CALIBRATION.md."""
+def build_demo_policy(tokenizer, seed: int, hidden=128, layers=3):  # ~0.6M parameters: shared/DEMO-CALIBRATION.md
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
@@ -1015,8 +1012,7 @@ PAD_TOKEN = "<|ppo_tokens_pad|>"
 
 
 def same_vocabulary(a, b) -> bool:  # the pad token we may have added does not count (it is never a real token)
-    return {k: v for k, v in a.get_vocab().items() if k != PAD_TOKEN} == \
-        {k: v for k, v in b.get_vocab().items() if k != PAD_TOKEN}
+    return {**a.get_vocab(), PAD_TOKEN: None} == {**b.get_vocab(), PAD_TOKEN: None}
 
 
 def stop_token_ids(tokenizer, model) -> list:
@@ -1027,10 +1023,9 @@ def stop_token_ids(tokenizer, model) -> list:
 
 
 def ensure_pad_token(tokenizer, model, stop_ids=()) -> int:
-    """Give the tokenizer a pad token distinct from every stop id. Masks never come from `ids == pad` here, but a pad
-    equal to EOS is how other code ends up masking the real EOS token out of the loss, so we refuse to share the id.
-    Returns the sampled vocabulary: the ids below it are the tokenizer's own tokens. Our added pad and the model's
-    spare embedding rows lie above it, so no completion can hold them (sampler and scorer both cut the logits there)."""
+    """A pad distinct from every stop id: masks never come from `ids == pad` here, but a pad equal to EOS is how other
+    code masks the real EOS out of the loss. Returns the sampled vocabulary: our added pad and the model's spare
+    embedding rows lie above it, so no completion holds them (sampler and scorer both cut the logits there)."""
     if tokenizer.pad_token_id is None or tokenizer.pad_token_id in (tokenizer.eos_token_id, *stop_ids):
         tokenizer.add_special_tokens({"pad_token": PAD_TOKEN})
         if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:  # many vocabularies have spare rows already
@@ -1069,8 +1064,7 @@ class ScalarHeadModel(nn.Module):
         return outside_autocast(self.head, hidden, self.head.weight.dtype).squeeze(-1).float()  # --bf16: fp32 head
 
 
-def load_reward_model(path: str, device, dtype):
-    """Returns (ScalarHeadModel, its tokenizer) from an AutoModelForSequenceClassification directory."""
+def load_reward_model(path: str, device, dtype):  # -> (ScalarHeadModel, its tokenizer)
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
     try:
         model = AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype)
@@ -1090,10 +1084,9 @@ def load_reward_model(path: str, device, dtype):
 
 
 def build_critic(policy, reward_model=None, same_tokenizer=False):
-    """Critic = a copy of the reward model when its tokenizer is the policy's (N+ detail: the value head starts from
-    the reward head, which already predicts the final score), else a copy of the policy's backbone with a
-    zero-initialised head, so the first advantages are just the rewards instead of noise from a random head (a random
-    head made the demo's accuracy collapse in calibration)."""
+    """A copy of the reward model when its tokenizer is the policy's (N+ detail: the value head starts from the reward
+    head, which already predicts the final score), else of the policy's backbone with a zero head, so the first
+    advantages are the rewards, not a random head's noise (which made the demo's accuracy collapse)."""
     if reward_model is not None and same_tokenizer:
         return copy.deepcopy(reward_model).to(torch.float32).requires_grad_(True).eval()
     backbone = copy.deepcopy(backbone_of(policy))
@@ -1109,24 +1102,18 @@ def decoder_layers(model):  # the transformer blocks: the longest ModuleList
 def checkpoint_layers(model):
     """--gradient-checkpointing: each decoder layer keeps only its inputs and recomputes its activations in the
     backward (non-reentrant torch.utils.checkpoint; works in eval mode, unlike transformers' own, and under FSDP2)."""
-    def checkpointed(forward, *args, **kwargs):
-        if not torch.is_grad_enabled():
-            return forward(*args, **kwargs)
-        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
     for layer in decoder_layers(model):
-        layer.forward = functools.partial(checkpointed, layer.forward)
+        layer.forward = functools.partial(torch.utils.checkpoint.checkpoint, layer.forward, use_reentrant=False)
 
 
-def outside_autocast(fn, hidden, dtype, *args, **kwargs):
-    """fn(hidden.to(dtype), *args, **kwargs) with autocast off: under --bf16 every head (the lm_head, the fused
-    log-prob path, the value head) computes in its weights' dtype (fp32 for the trained models)."""
+def outside_autocast(fn, hidden, dtype, *args, **kwargs):  # --bf16: a head computes in its weights' dtype (fp32)
     with torch.autocast(hidden.device.type, enabled=False):
         return fn(hidden.to(dtype), *args, **kwargs)
 
 
 def fp32_head(model):
-    """--bf16: the lm_head runs outside autocast in fp32, so the full-logits path gets fp32 logits (autocast leaves a
-    model's logit post-processing, softcapping or scaling, in its input's dtype); the fused path does the same."""
+    """--bf16: the lm_head outside autocast, in fp32, so the full logits and their post-processing (softcapping,
+    scaling: autocast leaves it in its input's dtype) are fp32, as on the fused path."""
     head = model.get_output_embeddings()
     head.forward = functools.partial(outside_autocast, head.forward, dtype=head.weight.dtype)
 
@@ -1137,7 +1124,7 @@ def autocast(cfg: Config, device):  # --bf16: the trainer's forwards in bf16 aut
 
 def make_optimizers(cfg: Config, policy, critic):
     """AdamW per model (eps 1e-5: the N+ details), decayed linearly to 0 over --steps unless --no-lr-decay. Returns
-    (the policy's, the critic's or None without a critic, their schedules)."""
+    (the policy's, the critic's or None, their schedules)."""
     optimizers = [torch.optim.AdamW(model.parameters(), lr=lr, eps=cfg.adam_eps, weight_decay=cfg.weight_decay,
                                     fused=True)  # one kernel for all parameters, CPU and CUDA
                   for model, lr in ((policy, cfg.lr), (critic, cfg.critic_lr)) if model is not None]
@@ -1178,25 +1165,22 @@ def addition_reward(prompts, completions, ended, **facts):
 
 
 def load_prompts(path: str):
+    prompts = []
     try:
         with open(path, encoding="utf-8") as f:
-            lines = f.readlines()
+            for n, line in enumerate(f, 1):
+                if line.strip():
+                    prompts.append(str(json.loads(line)["prompt"]))
     except (OSError, UnicodeDecodeError) as e:
         raise SystemExit(f"--prompts {path}: cannot read it as UTF-8 text ({e})")
-    prompts = []
-    for n, line in enumerate(lines, 1):
-        if line.strip():
-            try:
-                prompts.append(str(json.loads(line)["prompt"]))
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise SystemExit(f"--prompts {path}: line {n} is not a JSON object with a 'prompt' field ({e})")
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise SystemExit(f"--prompts {path}: line {n} is not a JSON object with a 'prompt' field ({e})")
     if not prompts:
         raise SystemExit(f"--prompts {path}: the file holds no prompts")
     return prompts
 
 
-def load_reward_function(spec: str):
-    """'module:function' -> the function; the module is imported from the current directory or sys.path."""
+def load_reward_function(spec: str):  # the module is imported from the current directory or sys.path
     module_name, _, fn_name = spec.partition(":")
     if not module_name or not fn_name:
         raise SystemExit(f"--reward {spec!r}: expected 'module:function', e.g. my_rewards:score")
@@ -1208,9 +1192,9 @@ def load_reward_function(spec: str):
 
 
 def format_prompts(tokenizer, texts, use_chat_template: bool, max_prompt_length: int, long_prompts="truncate"):
-    """Token ids per prompt: in the tokenizer's chat template (with the generation prompt) when it has one and
-    --chat-template is on, else the plain text with the tokenizer's own special tokens. Long prompts keep their
-    last tokens (the question is usually at the end; the number cut is printed), or are refused."""
+    """Token ids per prompt: in the tokenizer's chat template (with the generation prompt) if it has one and
+    --chat-template is on, else the plain text with its special tokens. Long prompts keep their last tokens (the
+    question is usually at the end), or are refused."""
     if use_chat_template and getattr(tokenizer, "chat_template", None):
         texts = [tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
                                                add_generation_prompt=True) for t in texts]
@@ -1227,17 +1211,13 @@ def format_prompts(tokenizer, texts, use_chat_template: bool, max_prompt_length:
     return [x[-max_prompt_length:] for x in ids]
 
 
-def left_pad(seqs, pad_id: int, device):
-    """Lists of ids -> (ids, mask), each (B, P), padded on the left so every prompt ends at the same column and the
-    first sampled token of every row goes to column P."""
+def left_pad(seqs, pad_id: int, device):  # -> (ids, mask), (B, P): every prompt ends at column P - 1
     P = max(len(s) for s in seqs)
     ids = torch.tensor([[pad_id] * (P - len(s)) + list(s) for s in seqs], dtype=torch.long, device=device)
     return ids, torch.tensor([[0] * (P - len(s)) + [1] * len(s) for s in seqs], dtype=torch.long, device=device)
 
 
-def prompt_order(n: int, seed: int, start: int = 0):
-    """Endless epochs over n prompt indices, each in a fresh random order; start: skip that many (a resumed run
-    continues the order where its checkpoint left it)."""
+def prompt_order(n: int, seed: int, start: int = 0):  # endless epochs, each a fresh random order; skip `start`
     generator = torch.Generator().manual_seed(seed)
     epochs = (i for _ in itertools.count() for i in reversed(torch.randperm(n, generator=generator).tolist()))
     return itertools.islice(epochs, start, None)
@@ -1250,19 +1230,22 @@ def sampling_args(cfg: Config, pad_id: int, stop_ids, vocab=None) -> dict:  # ge
 
 @torch.no_grad()
 def reward_model_scores(reward_model, rm_tokenizer, policy_tokenizer, batch, use_chat_template, micro_batch_size):
-    """Score each (prompt, completion) with the reward model at its last real token. Same tokenizer: feed the rollout's
-    own tokens. Different tokenizer: decode, re-template and re-tokenize for the reward model."""
+    """Each (prompt, completion)'s score at its last real token: the rollout's own tokens if the vocabularies match,
+    else the text, re-templated and re-tokenized for the reward model (with the EOS where the completion ended)."""
     if same_vocabulary(rm_tokenizer, policy_tokenizer):
         ids, mask, _ = full_sequence(batch)
     else:
         if use_chat_template and getattr(rm_tokenizer, "chat_template", None):
-            # a completion cut at --response-length stays an open assistant turn: no end-of-turn after it
-            chats = [[{"role": "user", "content": p}, {"role": "assistant", "content": c}]
-                     for p, c in zip(batch.prompts, batch.completions)]
-            texts = [chat_text(rm_tokenizer, chat, ended) for chat, ended in zip(chats, batch.ended.tolist())]
+            texts = []
+            for p, c, ended in zip(batch.prompts, batch.completions, batch.ended.tolist()):
+                chat = [{"role": "user", "content": p}, {"role": "assistant", "content": c}]
+                try:  # a completion cut at --response-length stays an open assistant turn: no end-of-turn after it
+                    text = rm_tokenizer.apply_chat_template(chat, tokenize=False, continue_final_message=not ended)
+                except ValueError:  # a template that rewrites the assistant text (drops a <think> part) cannot
+                    text = rm_tokenizer.apply_chat_template(chat, tokenize=False)
+                texts.append(text)
             seqs = rm_tokenizer(texts, add_special_tokens=False)["input_ids"]
         else:
-            # scored at the EOS, as above
             eos = [(rm_tokenizer.eos_token or "") if e else "" for e in batch.ended.tolist()]
             seqs = rm_tokenizer([p + c + e for p, c, e in zip(batch.prompts, batch.completions, eos)])["input_ids"]
         ids, mask = left_pad(seqs, rm_tokenizer.pad_token_id or 0, batch.response.device)
@@ -1272,13 +1255,6 @@ def reward_model_scores(reward_model, rm_tokenizer, policy_tokenizer, batch, use
         out = reward_model(ids[rows], mask[rows], positions(mask[rows]))  # (b, L)
         scores.append(out.gather(1, last[rows, None]).squeeze(1))
     return torch.cat(scores)
-
-
-def chat_text(tokenizer, chat, ended: bool) -> str:  # a finished assistant turn, or an open one (no end-of-turn)
-    try:
-        return tokenizer.apply_chat_template(chat, tokenize=False, continue_final_message=not ended)
-    except ValueError:  # a template that rewrites the assistant text (drops a <think> part): it cannot stay open
-        return tokenizer.apply_chat_template(chat, tokenize=False)
 
 
 def rule_scores(rule, batch: Rollout):
@@ -1308,14 +1284,6 @@ def rule_scores(rule, batch: Rollout):
 # the built-in demo: supervised warm-up and held-out evaluation
 
 
-def answer_batch(tokenizer, prompt_ids, answers, device):
-    """A Rollout holding prompts and given answers (+ EOS), the layout sampling produces; for supervised steps."""
-    ids, mask = left_pad(prompt_ids, tokenizer.pad_token_id, device)
-    targets = [tokenizer(a, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for a in answers]
-    response = tokenizer.pad({"input_ids": targets}, padding_side="right", return_tensors="pt").to(device)
-    return Rollout(ids, mask, response["input_ids"], response["attention_mask"], None, None, None)
-
-
 @torch.no_grad()
 def evaluate(policy, tokenizer, prompt_ids, prompt_texts, cfg: Config, seed: int, chunk=500):
     """Sampled accuracy (temperature --temperature, the same sampling as training) on the given prompts; the
@@ -1334,8 +1302,8 @@ def evaluate(policy, tokenizer, prompt_ids, prompt_texts, cfg: Config, seed: int
 
 def demo_warmup(policy, tokenizer, train_pairs, cfg: Config):
     """Supervised warm-up until sampled accuracy on 256 training prompts reaches --demo-warmup-target, so PPO starts
-    from a policy that is sometimes right. The jump comes anywhere from ~250 to 900+ steps depending on the seed, hence
-    adaptive, not a fixed count. Cached on disk by (model config, vocabulary, seed, warm-up settings)."""
+    from a policy that is sometimes right. Adaptive, not a fixed count: the jump comes anywhere from ~250 to 900+
+    steps depending on the seed. Cached on disk by (model config, vocabulary, seed, warm-up settings)."""
     key = json.dumps([policy.config.to_json_string(), sorted(tokenizer.get_vocab().items()), cfg.seed,
                       cfg.demo_warmup_lr, cfg.demo_warmup_target, cfg.demo_warmup_max_steps, "v3"])
     name = f"demo-warmup-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
@@ -1347,16 +1315,20 @@ def demo_warmup(policy, tokenizer, train_pairs, cfg: Config):
         return
     if cfg.demo_warmup_max_steps == 0:
         return
-    device = policy.device
     t0 = time.time()
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.demo_warmup_lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 50))  # 50-step LR warm-up
     rng, check_rng = random.Random(cfg.seed), random.Random(cfg.seed + 1)  # training rows, accuracy-check rows
     all_ids = format_prompts(tokenizer, [addition_prompt(a, b) for a, b in train_pairs], False, 64)
+    answers = [tokenizer(str(a + b), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+               for a, b in train_pairs]
     accuracy, step = 0.0, 0
     for step in range(1, cfg.demo_warmup_max_steps + 1):
         rows = rng.sample(range(len(train_pairs)), 128)
-        batch = answer_batch(tokenizer, [all_ids[i] for i in rows], [str(sum(train_pairs[i])) for i in rows], device)
+        ids, mask = left_pad([all_ids[i] for i in rows], tokenizer.pad_token_id, policy.device)
+        response = tokenizer.pad({"input_ids": [answers[i] for i in rows]}, padding_side="right", return_tensors="pt")
+        response = response.to(policy.device)
+        batch = Rollout(ids, mask, response["input_ids"], response["attention_mask"], None, None, None)
         logprobs, _ = sequence_logprobs(policy, *full_sequence(batch), batch.response, batch.response_mask, 1.0,
                                         full_logits=cfg.full_logits)
         loss = -masked_mean(logprobs, batch.response_mask)  # cross-entropy on the answer and its EOS only
@@ -1368,7 +1340,7 @@ def demo_warmup(policy, tokenizer, train_pairs, cfg: Config):
         if step % 5 == 0:  # often: the accuracy jumps within a few steps and PPO must start below ~40%
             check = check_rng.sample(range(len(train_pairs)), 256)
             accuracy = evaluate(policy, tokenizer, [all_ids[i] for i in check],
-                                   [addition_prompt(*train_pairs[i]) for i in check], cfg, seed=step)
+                                [addition_prompt(*train_pairs[i]) for i in check], cfg, seed=step)
             print(f"\rwarm-up step {step}: loss {loss.item():.3f}, sampled train accuracy {accuracy:.2f}", end="",
                   flush=True)
             if accuracy >= cfg.demo_warmup_target:
@@ -1384,10 +1356,7 @@ def demo_warmup(policy, tokenizer, train_pairs, cfg: Config):
 # the overlapped loop's machinery: sampler thread, bounded queue, packed weight sync, timing
 #
 # Generation dominates RL wall-clock time and leaves the trainer idle, so (as verl, AReaL, PipelineRL, PRIME-RL do)
-# a sampler copy of the policy generates the next batches while the trainer updates on the current one:
-#   producer thread: wait until the trainer has published version >= i - max_staleness, pull those weights, sample
-#                    batch i, score it with the frozen models (reference log-probs, reward), put it in the queue;
-#   trainer (main thread): take a batch, recompute proximal log-probs and values, update, publish the new weights.
+# a sampler copy of the policy generates the next batches while the trainer updates on the current one (train()).
 # A thread rather than cooperative interleaving: every PyTorch op releases the GIL, so the sampler's Python-bound
 # decode loop runs while the trainer's kernels run, and on CUDA the two threads' kernels go to separate streams and
 # overlap on the device, without either side having to yield at hand-picked points.
@@ -1398,8 +1367,7 @@ def sampler_copy(policy):  # the sampler's inference copy of the policy: bf16 on
     return cast_parameters(copy.deepcopy(policy), dtype).requires_grad_(False)
 
 
-def cast_parameters(model, dtype):
-    """model with its parameters in dtype; buffers (RoPE frequencies, ...) keep their fp32 precision."""
+def cast_parameters(model, dtype):  # the parameters only: buffers (RoPE frequencies, ...) keep their fp32 precision
     for p in model.parameters():
         p.data = p.data.to(dtype)
     return model
@@ -1407,9 +1375,6 @@ def cast_parameters(model, dtype):
 
 def flatten_parameters(model):  # every parameter becomes a view of one flat buffer: a weight sync is one copy
     params = list(model.parameters())  # each tied weight once
-    dtypes = {str(p.dtype) for p in params}
-    if len(dtypes) != 1:
-        raise SystemExit(f"the packed weight sync needs one parameter dtype, got {sorted(dtypes)}")
     flat = nn.utils.parameters_to_vector(params).detach()
     nn.utils.vector_to_parameters(flat, params)  # (which makes each parameter a view of flat)
     return flat

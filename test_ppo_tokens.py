@@ -357,7 +357,10 @@ def test_reward_model_scores_at_last_token_with_same_or_different_tokenizer(toke
     rm = pt.ScalarHeadModel(tiny_llama(len(tokenizer) + 1, seed=7, dtype=torch.float32).model,
                             torch.nn.Linear(32, 1, bias=False)).eval()
     texts, answers = ["1+2=", "37+45=", "9+90="], ["3", "82", ""]
-    batch = pt.answer_batch(tokenizer, pt.format_prompts(tokenizer, texts, False, 64), answers, "cpu")
+    ids, mask = pt.left_pad(pt.format_prompts(tokenizer, texts, False, 64), tokenizer.pad_token_id, "cpu")
+    targets = [tokenizer(a, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for a in answers]
+    response = tokenizer.pad({"input_ids": targets}, padding_side="right", return_tensors="pt")
+    batch = pt.Rollout(ids, mask, response["input_ids"], response["attention_mask"], None, None, None)
     batch.ended, batch.prompts, batch.completions = torch.ones(3, dtype=torch.bool), texts, answers
     same = pt.reward_model_scores(rm, tokenizer, tokenizer, batch, False, 2)
     other = copy.deepcopy(tokenizer)
