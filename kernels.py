@@ -242,9 +242,8 @@ if triton is not None:
     @triton.jit
     def _logprob_fwd_kernel(
         x_ptr, n_inner, x_stride_outer, x_stride_inner,
-        tok_ptr, mask_ptr, kept_ptr, kept_stride,
         logp_ptr, ent_ptr, max_ptr, lse_ptr, zbar_ptr,
-        n_cols, inv_temp,
+        tok_ptr, mask_ptr, kept_ptr, kept_stride, n_cols, inv_temp,
         HAS_MASK: tl.constexpr, HAS_KEPT: tl.constexpr, BLOCK: tl.constexpr,
     ):
         # One program per row; row r starts at (r // n_inner) * stride_outer + (r % n_inner) * stride_inner, which
@@ -305,10 +304,9 @@ if triton is not None:
 
     @triton.jit
     def _logprob_bwd_kernel(
-        x_ptr, dx_ptr, n_inner, x_stride_outer, x_stride_inner, dx_stride_outer, dx_stride_inner,
-        tok_ptr, mask_ptr, kept_ptr, kept_stride,
-        max_ptr, lse_ptr, zbar_ptr, glogp_ptr, gent_ptr,
-        n_cols, inv_temp,
+        x_ptr, n_inner, x_stride_outer, x_stride_inner,
+        dx_ptr, dx_stride_outer, dx_stride_inner, max_ptr, lse_ptr, zbar_ptr, glogp_ptr, gent_ptr,
+        tok_ptr, mask_ptr, kept_ptr, kept_stride, n_cols, inv_temp,
         HAS_MASK: tl.constexpr, HAS_KEPT: tl.constexpr, BLOCK: tl.constexpr,
     ):
         # Recomputes p from the saved row max and lse (no saved probabilities): reads the row once, writes d(row)
@@ -354,73 +352,46 @@ if triton is not None:
             tl.store(dx_row + cols, dz.to(dx_ptr.dtype.element_ty), mask=valid)
 
 
-def _row_layout(x):
-    """Rows of x (..., V) as r -> (r // n_inner) * stride_outer + (r % n_inner) * stride_inner. Covers contiguous
-    tensors and a slice along one middle dim (logits[:, P-1:-1], the usual PPO case) without a copy; anything else
-    (a transposed or doubly sliced view) is made contiguous, which costs one read and write of the logits."""
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    groups = []  # [size, stride] of the leading dims after merging the ones that are contiguous with each other
-    for size, stride in zip(x.shape[:-1], x.stride()[:-1]):
-        if size == 1:
-            continue
-        if groups and groups[-1][1] == stride * size:
-            groups[-1] = [groups[-1][0] * size, stride]
-        else:
-            groups.append([size, stride])
-    if len(groups) > 2:
-        return _row_layout(x.contiguous())
-    if not groups:
-        return x, 1, 0, 0
-    if len(groups) == 1:
-        return x, groups[0][0], 0, groups[0][1]
-    return x, groups[1][0], groups[0][1], groups[1][1]
+def _rows(logits):
+    """logits (..., V) as (outer, inner, V) with unit stride along V: a view for contiguous logits and for a slice
+    along one middle dim (logits[:, P-1:-1], the usual PPO case); else a copy (one read and write of the logits)."""
+    x = logits.reshape(-1, *logits.shape[-2:]) if logits.dim() > 2 else logits.reshape(1, -1, logits.shape[-1])
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _launch_args(kept, V, block_v):
-    n_cols = V if kept is None else kept.shape[1]
+def _launch(kernel, x, tokens, mask, kept, temperature, block_v, *args):
+    """kernel with one program per row of x (outer, inner, V); args: its arguments between x's layout and tok_ptr."""
+    n_cols = x.shape[-1] if kept is None else kept.shape[1]
     block = max(16, min(block_v, triton.next_power_of_2(n_cols)))
-    return n_cols, block, max(1, min(16, block // 512))  # 4096 -> 8 warps, 8192 -> 16, 256 -> 1
+    # (a pointer argument cannot be None: an unused one gets the tokens, which the kernel then never reads)
+    kernel[(tokens.numel(),)](  # 1-D grid: dim 0 may be up to 2^31 - 1, unlike dims 1 and 2 (65535)
+        x, x.shape[1], x.stride(0), x.stride(1), *args,
+        tokens, tokens if mask is None else mask.view(torch.uint8), tokens if kept is None else kept,
+        0 if kept is None else kept.stride(0), n_cols, 1.0 / temperature,
+        HAS_MASK=mask is not None, HAS_KEPT=kept is not None, BLOCK=block,
+        num_warps=max(1, min(16, block // 512)),  # 4096 -> 8 warps, 8192 -> 16, 256 -> 1
+    )
 
 
 def _triton_forward(logits, tokens, mask, kept, temperature, block_v):
-    x, n_inner, stride_outer, stride_inner = _row_layout(logits)
-    N = tokens.numel()
-    assert N < 2**31, "one program per row: grid dim 0 is limited to 2^31 - 1"
-    n_cols, block, num_warps = _launch_args(kept, logits.shape[-1], block_v)
-    logp, ent, row_max, lse, zbar = [_empty((N,), torch.float32, logits.device) for _ in range(5)]
-    # (a pointer argument cannot be None: an unused one gets the tokens, which the kernel then never reads)
-    _logprob_fwd_kernel[(N,)](  # 1-D grid: dim 0 may be up to 2^31 - 1, unlike dims 1 and 2 (65535)
-        x, n_inner, stride_outer, stride_inner,
-        tokens, tokens if mask is None else mask.view(torch.uint8), tokens if kept is None else kept,
-        0 if kept is None else kept.stride(0),
-        logp, ent, row_max, lse, zbar,
-        n_cols, 1.0 / temperature,
-        HAS_MASK=mask is not None, HAS_KEPT=kept is not None, BLOCK=block, num_warps=num_warps,
-    )
+    logp, ent, row_max, lse, zbar = [_empty((tokens.numel(),), torch.float32, logits.device) for _ in range(5)]
+    _launch(_logprob_fwd_kernel, _rows(logits), tokens, mask, kept, temperature, block_v,
+            logp, ent, row_max, lse, zbar)
     return logp, ent, row_max, lse, zbar
 
 
 def _triton_backward(logits, tokens, mask, kept, temperature, row_max, lse, zbar, g_logp, g_ent, inplace, block_v):
-    x, n_inner, stride_outer, stride_inner = _row_layout(logits)
-    N, V = tokens.numel(), logits.shape[-1]
-    n_cols, block, num_warps = _launch_args(kept, V, block_v)
+    x = _rows(logits)
     if kept is not None:
         # Only the K kept positions get a gradient; the rest must be 0, so the buffer is zeroed first (and cannot
         # be the logits themselves, whose kept values the kernel still has to read).
-        dx, dx_outer, dx_inner = torch.zeros(N, V, dtype=logits.dtype, device=logits.device), n_inner * V, V
+        dx = torch.zeros(x.shape, dtype=x.dtype, device=x.device)
     elif inplace:
-        dx, dx_outer, dx_inner = x, stride_outer, stride_inner
+        dx = x
     else:
-        dx, dx_outer, dx_inner = _empty((N, V), logits.dtype, logits.device), n_inner * V, V
-    _logprob_bwd_kernel[(N,)](
-        x, dx, n_inner, stride_outer, stride_inner, dx_outer, dx_inner,
-        tokens, tokens if mask is None else mask.view(torch.uint8), tokens if kept is None else kept,
-        0 if kept is None else kept.stride(0),
-        row_max, lse, zbar, g_logp, g_ent,
-        n_cols, 1.0 / temperature,
-        HAS_MASK=mask is not None, HAS_KEPT=kept is not None, BLOCK=block, num_warps=num_warps,
-    )
+        dx = _empty(x.shape, x.dtype, x.device)
+    _launch(_logprob_bwd_kernel, x, tokens, mask, kept, temperature, block_v,
+            dx, dx.stride(0), dx.stride(1), row_max, lse, zbar, g_logp, g_ent)
     return dx.view(logits.shape)
 
 
