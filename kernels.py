@@ -9,32 +9,27 @@ and their gradients, many times per batch. The eager way (`log_softmax(x.float()
 several float32 copies of a (tokens, vocab) tensor; at 152k vocab that is most of a GPU's memory and time. Here:
 
 - `token_logprobs` reads each row of logits once in the forward with an online log-sum-exp (running max and rescaled
-  sum, Milakov & Gimelshein 2018, "Online normalizer calculation for softmax"; the same trick as flash-attention and
-  the cross-entropy kernels of flash-attn and Liger-Kernel), keeps three floats per row for the backward (no saved
-  probabilities), and in the backward reads the logits once more and writes d(logits) once, optionally into the
-  logits' own storage. Gradients, with a = dL/dlogp and b = dL/dentropy:
+  sum, Milakov & Gimelshein 2018, "Online normalizer calculation for softmax"; the trick of flash-attention and of
+  the cross-entropy kernels of flash-attn and Liger-Kernel), keeps three floats per row for the backward, and in the
+  backward reads the logits once more and writes d(logits) once, optionally into the logits' own storage. With
+  a = dL/dlogp and b = dL/dentropy:
 
       dL/dx_j = (1/T) * ( a * (1[j == t] - p_j)  -  b * p_j * (z_j - sum_i p_i z_i) )
 
 - `linear_token_logprobs` does the same from the last hidden states and the lm_head weight, chunk by chunk over
-  tokens, never holding the (tokens, vocab) logits (the idea of Liger-Kernel's fused linear cross-entropy; unlike
-  Liger, which knows the scalar loss in the forward, our two outputs get arbitrary upstream gradients, so the
-  backward recomputes each chunk's logits: one extra matmul per chunk).
+  tokens, never holding the (tokens, vocab) logits (Liger-Kernel's fused linear cross-entropy; unlike Liger, which
+  knows the scalar loss in the forward, our two outputs get arbitrary upstream gradients, so the backward recomputes
+  each chunk's logits: one extra matmul per chunk).
 
-The KL to the reference model is not fused in: it is an elementwise function of two per-token log-probs, so computing
-it inside the pass over the vocabulary would save nothing.
+The KL to the reference model is not fused in: it is an elementwise function of two per-token log-probs.
 
-Each function has a Triton path (CUDA, or CPU tensors under TRITON_INTERPRET=1), whose sums are in float32 and
-relative to the row max m (x - m is exact for the logits that carry probability, so dividing by T rounds no large
-offset), and a plain PyTorch path (CPU; float64 input makes it the reference the tests compare against):
-torch.log_softmax on row chunks of at most 4M elements, with the same max shift before 1/T. test_ppo_tokens.py
-checks every path; the benchmark only measures (time, peak memory, bandwidth):
+Each has a Triton path (CUDA, or CPU tensors under TRITON_INTERPRET=1) that sums in float32 relative to the row max m
+(x - m is exact for the logits that carry probability, so dividing by T rounds no large offset), and a plain PyTorch
+path (CPU; with float64 input it is the reference the tests compare against). `python kernels.py --bench` measures.
 
-    python kernels.py --bench [--tokens N] [--vocab V] [--dtype bf16|fp16|fp32]
-
-The second half holds ppo_tokens.py's other fast paths (see "fast paths" below): the sampler's static KV cache and
-CUDA graph, packed (padding-free) attention and sequence packing, the fallback switch and the timing helper. It
-depends on torch, triton and transformers only, never on ppo_tokens.py, which loads it as `ppo_tokens_kernels`.
+The second half holds ppo_tokens.py's other fast paths: the sampler's static KV cache and CUDA graph, packed
+(padding-free) attention and sequence packing. This file depends on torch, triton and transformers only, never on
+ppo_tokens.py, which loads it as `ppo_tokens_kernels`.
 """
 import argparse
 import contextlib
@@ -68,20 +63,14 @@ if __name__ == "kernels":
         sys.modules["kernels"] = importlib.util.module_from_spec(_hub)
         _hub.loader.exec_module(sys.modules["kernels"])
 
-# 4096 float32 values per block: with 8 warps that is 16 values per thread, enough bytes in flight per SM to saturate
-# HBM (Little's law: ~5 TB/s x ~1 us latency / 132 SMs ~ 40 KB) while the three per-block reductions (max, two sums)
-# stay a small part of the work. Larger blocks spill registers; smaller ones pay the reductions more often. The
-# online update is per block, not per element, so it costs one exp per logit: at ~2.4e12 bf16 logits/s of HBM
-# bandwidth, a second exp per element (per-lane running max) would make the H200's SFUs the limit. Tests lower it.
+# 4096 float32 values per block: with 8 warps, 16 values per thread, enough bytes in flight per SM to saturate HBM
+# (Little's law: ~5 TB/s x ~1 us latency / 132 SMs ~ 40 KB) while the three per-block reductions (max, two sums) stay
+# a small part of the work. The online update is per block, not per element: one exp per logit (a second one would
+# make the H200's SFUs the limit). Tests lower it.
 BLOCK_V = 4096
-# Tests set this: the Triton launchers then fill outputs and gradients with NaN instead of leaving them uninitialised,
-# so a row the kernel forgot to write fails the comparison.
-_POISON = False
-# The torch path works on row chunks of at most this many elements (16 MB of float32), so its float temporaries stay
-# bounded however many tokens there are.
-_TORCH_CHUNK_ELEMS = 1 << 22
-# linear_token_logprobs caps each chunk's float32 logits at this many bytes.
-_LINEAR_CHUNK_BYTES = 256 << 20
+_POISON = False  # tests: outputs and gradients start as NaN, so a row a kernel forgot to write fails the comparison
+_TORCH_CHUNK_ELEMS = 1 << 22  # the torch path's row chunks: at most 16 MB of float32 temporaries per chunk
+_LINEAR_CHUNK_BYTES = 256 << 20  # linear_token_logprobs: at most this many bytes of float32 logits per chunk
 
 
 # ---------------------------------------------------------------------------------------------------- shared helpers
@@ -96,27 +85,17 @@ def _empty(shape, dtype, device):
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def _pick_backend(backend, x):
+def _pick_backend(backend, x):  # float64 (the tests' reference) always takes the torch path
     if backend == "auto":
-        return "triton" if (x.is_cuda and triton is not None and x.dtype != torch.float64) else "torch"
-    if backend == "triton":
-        if triton is None:
-            raise RuntimeError("backend='triton' but triton is not importable")
-        if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-            raise RuntimeError("backend='triton' on CPU tensors needs TRITON_INTERPRET=1 set before importing triton")
-        if x.dtype == torch.float64:
-            raise ValueError("the Triton kernels accumulate in float32; use backend='torch' for float64")
-        return "triton"
-    if backend != "torch":
-        raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
-    return "torch"
+        return "triton" if x.is_cuda and triton is not None and x.dtype != torch.float64 else "torch"
+    if backend not in ("triton", "torch") or (backend == "triton" and x.dtype == torch.float64):
+        raise ValueError(f"backend {backend!r} for {x.dtype} logits: use 'auto', 'triton' (not float64) or 'torch'")
+    return backend
 
 
-def _flat_inputs(rows, tokens, mask, kept_ids, temperature):
-    """The per-row inputs, checked against rows (the logits' shape without the vocab dim), as contiguous 1-D (2-D for
-    kept_ids) tensors; they are tiny next to the logits."""
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+def _flat_inputs(rows, tokens, mask, kept_ids):
+    """The per-row inputs, checked against rows (the logits' shape without the vocab dim: a Triton kernel would read
+    out of bounds), as contiguous (N,) and (N, K) tensors."""
     for name, t in (("tokens", tokens), ("mask", mask)):
         if t is not None and t.shape != rows:
             raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(rows)}")
@@ -131,9 +110,8 @@ def _flat_inputs(rows, tokens, mask, kept_ids, temperature):
 # ---------------------------------------------------------------------------------------------------- torch path
 
 def _torch_chunks(mask, n_rows, width):
-    """Row chunks of at most _TORCH_CHUNK_ELEMS elements, over the real rows only: with a mask they are gathered
-    (a copy of the real rows only) instead of computing all rows and torch.where'ing, which would also pay for
-    exp() of the masked rows' garbage. Returns the real row ids (None = all) and a list of slices or id tensors."""
+    """Row chunks of at most _TORCH_CHUNK_ELEMS elements, over the real rows only (masked rows' garbage is never
+    read). Returns the real row ids (None = all) and a list of slices or id tensors."""
     step = max(1, _TORCH_CHUNK_ELEMS // width)
     rows = None if mask is None else mask.nonzero().squeeze(1)
     if rows is None or rows.numel() == n_rows:
@@ -142,11 +120,10 @@ def _torch_chunks(mask, n_rows, width):
 
 
 def _torch_log_probs(x2d, tokens, kept, temperature, cdtype, ids, row_max=None):
-    """log p (n, V) of rows `ids`, or (n, K) over their kept ids, in cdtype, with -inf (unused kept slots, -inf
-    logits) clamped to the most negative finite value so that p * log p = 0 there instead of NaN. With T != 1 the
-    row max is subtracted before dividing: x - max x is exact for the logits that carry probability, so /T does not
-    round a large common offset (log_softmax shifts by the max too, but only after our division). Returns log p,
-    logp of the sampled tokens (n,), the row max (None when T = 1), the chunk's tokens and kept ids."""
+    """log p (n, V) of rows `ids`, or (n, K) over their kept ids, in cdtype, with -inf clamped to the most negative
+    finite value (so p * log p = 0 there, not NaN). With T != 1 the row max is subtracted before dividing, as in the
+    Triton kernel (log_softmax shifts by the max only after our division). Returns log p, logp of the sampled tokens
+    (n,), the row max (None when T = 1), the chunk's tokens and kept ids."""
     z = x2d[ids]                                                                # (n, V)
     tok = tokens[ids]                                                           # (n,)
     if kept is not None:
@@ -178,7 +155,7 @@ def _all_rows(parts, rows, n_rows, like):
 
 def _torch_forward(logits, tokens, mask, kept, temperature):
     """logp and entropy (N,), masked rows 0, then what _torch_backward needs: the row max (None when T = 1) and a
-    copy of the entropy (not the output itself, which the caller may modify in place)."""
+    copy of the entropy (the caller may modify the output in place)."""
     V = logits.shape[-1]
     cdtype = _compute_dtype(logits)
     x2d = logits.reshape(-1, V)  # a copy (input dtype) only if the leading dims cannot be merged
@@ -198,7 +175,7 @@ def _torch_forward(logits, tokens, mask, kept, temperature):
     return logp, entropy, row_max, entropy.clone()
 
 
-def _torch_backward(logits, tokens, mask, kept, temperature, row_max, entropy, g_logp, g_ent, inplace):
+def _torch_backward(logits, tokens, mask, kept, temperature, row_max, entropy, g_logp, g_ent):
     V = logits.shape[-1]
     cdtype = _compute_dtype(logits)
     x2d = logits.reshape(-1, V)
@@ -206,15 +183,9 @@ def _torch_backward(logits, tokens, mask, kept, temperature, row_max, entropy, g
     rows, chunks = _torch_chunks(mask, N, V if kept is None else kept.shape[1])
     a = g_logp / temperature                                                    # (N,)
     b = g_ent / temperature                                                     # (N,)
-    # Masked rows and the vocab outside a kept set get exactly 0; a single dense chunk is the gradient itself. In
-    # place, each chunk's gradient overwrites its logits after they were read (kept ids: never in place, the kept
-    # logits of later chunks would be zeroed before they are read).
+    # Masked rows and the vocab outside a kept set get exactly 0; a single dense chunk is the gradient itself
     grad = None
-    if inplace and kept is None:
-        grad = x2d
-        if rows is not None:
-            grad.index_fill_(0, (~mask).nonzero().squeeze(1), 0.0)
-    elif rows is not None or kept is not None or len(chunks) > 1:
+    if rows is not None or kept is not None or len(chunks) > 1:
         grad = torch.zeros(N, V, dtype=logits.dtype, device=logits.device)
     for ids in chunks:
         log_p, _, _, tok, k = _torch_log_probs(x2d, tokens, kept, temperature, cdtype, ids, row_max)
@@ -359,10 +330,10 @@ def _rows(logits):
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _launch(kernel, x, tokens, mask, kept, temperature, block_v, *args):
+def _launch(kernel, x, tokens, mask, kept, temperature, *args):
     """kernel with one program per row of x (outer, inner, V); args: its arguments between x's layout and tok_ptr."""
     n_cols = x.shape[-1] if kept is None else kept.shape[1]
-    block = max(16, min(block_v, triton.next_power_of_2(n_cols)))
+    block = max(16, min(BLOCK_V, triton.next_power_of_2(n_cols)))
     # (a pointer argument cannot be None: an unused one gets the tokens, which the kernel then never reads)
     kernel[(tokens.numel(),)](  # 1-D grid: dim 0 may be up to 2^31 - 1, unlike dims 1 and 2 (65535)
         x, x.shape[1], x.stride(0), x.stride(1), *args,
@@ -373,14 +344,13 @@ def _launch(kernel, x, tokens, mask, kept, temperature, block_v, *args):
     )
 
 
-def _triton_forward(logits, tokens, mask, kept, temperature, block_v):
+def _triton_forward(logits, tokens, mask, kept, temperature):
     logp, ent, row_max, lse, zbar = [_empty((tokens.numel(),), torch.float32, logits.device) for _ in range(5)]
-    _launch(_logprob_fwd_kernel, _rows(logits), tokens, mask, kept, temperature, block_v,
-            logp, ent, row_max, lse, zbar)
+    _launch(_logprob_fwd_kernel, _rows(logits), tokens, mask, kept, temperature, logp, ent, row_max, lse, zbar)
     return logp, ent, row_max, lse, zbar
 
 
-def _triton_backward(logits, tokens, mask, kept, temperature, row_max, lse, zbar, g_logp, g_ent, inplace, block_v):
+def _triton_backward(logits, tokens, mask, kept, temperature, row_max, lse, zbar, g_logp, g_ent, inplace):
     x = _rows(logits)
     if kept is not None:
         # Only the K kept positions get a gradient; the rest must be 0, so the buffer is zeroed first (and cannot
@@ -390,46 +360,46 @@ def _triton_backward(logits, tokens, mask, kept, temperature, row_max, lse, zbar
         dx = x
     else:
         dx = _empty(x.shape, x.dtype, x.device)
-    _launch(_logprob_bwd_kernel, x, tokens, mask, kept, temperature, block_v,
+    _launch(_logprob_bwd_kernel, x, tokens, mask, kept, temperature,
             dx, dx.stride(0), dx.stride(1), row_max, lse, zbar, g_logp, g_ent)
     return dx.view(logits.shape)
 
 
 # ---------------------------------------------------------------------------------------------------- dispatch
 
-def _forward(logits, tokens, mask, kept, temperature, backend, block_v):
-    """The one place that picks a backend. Returns logp and entropy, (N,) in the compute dtype with masked rows 0,
-    then the per-row statistics that the same backend's backward needs: Triton: m = max x (logit units),
-    lse = log sum exp((x - m) / T), zbar = sum p (x - m) / T; torch: the row max (None when T = 1) and the entropy."""
+def _forward(logits, tokens, mask, kept, temperature, backend):
+    """logp and entropy, (N,) in the compute dtype with masked rows 0, then the per-row statistics that the same
+    backend's backward needs: Triton: m = max x (logit units), lse = log sum exp((x - m) / T), zbar = sum p (x - m) / T;
+    torch: the row max (None when T = 1) and the entropy."""
     if backend == "triton":
-        return _triton_forward(logits, tokens, mask, kept, temperature, block_v)
+        return _triton_forward(logits, tokens, mask, kept, temperature)
     return _torch_forward(logits, tokens, mask, kept, temperature)
 
 
-def _backward(logits, tokens, mask, kept, temperature, backend, block_v, stats, g_logp, g_ent, inplace):
+def _backward(logits, tokens, mask, kept, temperature, backend, stats, g_logp, g_ent, inplace):
     if backend == "triton":
-        return _triton_backward(logits, tokens, mask, kept, temperature, *stats, g_logp, g_ent, inplace, block_v)
-    return _torch_backward(logits, tokens, mask, kept, temperature, *stats, g_logp, g_ent, inplace)
+        return _triton_backward(logits, tokens, mask, kept, temperature, *stats, g_logp, g_ent, inplace)
+    return _torch_backward(logits, tokens, mask, kept, temperature, *stats, g_logp, g_ent)
 
 
 class _TokenLogprobsFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, tokens, mask, kept, temperature, backend, inplace, block_v):
-        logp, ent, *stats = _forward(logits, tokens, mask, kept, temperature, backend, block_v)
+    def forward(ctx, logits, tokens, mask, kept, temperature, backend, inplace):
+        logp, ent, *stats = _forward(logits, tokens, mask, kept, temperature, backend)
         ctx.save_for_backward(logits, tokens, mask, kept, *stats)
-        ctx.args = (temperature, backend, block_v, inplace)
+        ctx.args = (temperature, backend, inplace)
         return logp, ent
 
     @staticmethod
     def backward(ctx, g_logp, g_ent):
         logits, tokens, mask, kept, *stats = ctx.saved_tensors
-        temperature, backend, block_v, inplace = ctx.args
+        temperature, backend, inplace = ctx.args
         cdtype = _compute_dtype(logits)
         # Upstream gradients may be broadcast views (loss = x.sum()); the kernels want contiguous (N,) vectors.
         g_logp = g_logp.reshape(-1).to(cdtype).contiguous()
         g_ent = g_ent.reshape(-1).to(cdtype).contiguous()
-        grad = _backward(logits, tokens, mask, kept, temperature, backend, block_v, stats, g_logp, g_ent, inplace)
-        return grad, *([None] * 7)
+        grad = _backward(logits, tokens, mask, kept, temperature, backend, stats, g_logp, g_ent, inplace)
+        return grad, *([None] * 6)
 
 
 # ---------------------------------------------------------------------------------------------------- public API
@@ -447,41 +417,38 @@ def token_logprobs(logits, tokens, temperature=1.0, *, mask=None, kept_ids=None,
       logprobs and entropy are of the distribution renormalised over that set (softmax over z[kept] / T only), so a
       PPO ratio compares the same distributions the sampler drew from. Ids in a row must be distinct, and each real
       row needs at least one (a row without any finite logit gives NaN). If the sampled token is not in its row's
-      set, its logprob is -inf. Cost: Triton reads O(K) gathered logits per row instead of O(V) (random 2-byte
-      reads, so ~K 32-byte sectors per row) and its backward zero-fills the gradient then writes K values per row;
-      the torch path gathers (N, K).
+      set, its logprob is -inf.
     Both outputs are differentiable w.r.t. logits; tokens, mask and kept_ids are constants.
     backend: "auto" (Triton when logits.is_cuda and triton imports, else torch; float64 always torch), "triton",
       "torch".
-    inplace_backward: the backward writes d(logits) into the logits' storage (the caller promises not to reuse
-      logits); saves one logits-sized buffer. Ignored with kept_ids.
+    inplace_backward: Triton's backward writes d(logits) into the logits' storage (the caller promises not to reuse
+      logits); saves one logits-sized buffer. Ignored with kept_ids and by the torch path.
     When grad is disabled or logits do not require grad, nothing is saved for a backward (the scoring fast path).
     """
     backend = _pick_backend(backend, logits)
     shape = tokens.shape
-    tokens, mask, kept_ids = _flat_inputs(logits.shape[:-1], tokens, mask, kept_ids, temperature)
+    tokens, mask, kept_ids = _flat_inputs(logits.shape[:-1], tokens, mask, kept_ids)
     if tokens.numel() == 0:
         logp = logits.new_zeros(shape, dtype=_compute_dtype(logits))
         return logp, logp.clone()
     args = (tokens, mask, kept_ids, float(temperature), backend)
     if torch.is_grad_enabled() and logits.requires_grad:
-        logp, ent = _TokenLogprobsFn.apply(logits, *args, inplace_backward, BLOCK_V)
+        logp, ent = _TokenLogprobsFn.apply(logits, *args, inplace_backward)
     else:
-        logp, ent = _forward(logits, *args, BLOCK_V)[:2]
+        logp, ent = _forward(logits, *args)[:2]
     return logp.view(shape), ent.view(shape)
 
 
-def _linear_forward(hidden, weight, tokens, kept, temperature, backend, chunk, block_v):
+def _linear_forward(hidden, weight, tokens, kept, temperature, backend, chunk):
     """Chunked forward: hidden (n, H) real rows only, weight (V, H). Returns the (n,) outputs of _forward."""
     n = hidden.shape[0]
     if n == 0:  # one empty chunk, for outputs of the right kind
-        return _forward(hidden @ weight.T, tokens, None, kept, temperature, "torch", block_v)
+        return _forward(hidden @ weight.T, tokens, None, kept, temperature, "torch")
     chunks = []
     for r0 in range(0, n, chunk):
         r = slice(r0, min(r0 + chunk, n))
         logits = hidden[r] @ weight.T                                                   # (c, V) in hidden's dtype
-        chunks.append(_forward(logits, tokens[r], None, None if kept is None else kept[r], temperature, backend,
-                               block_v))
+        chunks.append(_forward(logits, tokens[r], None, None if kept is None else kept[r], temperature, backend))
     outputs = []  # logp, entropy, then the backward's statistics (None: the torch path's row max at T = 1)
     for per_chunk in zip(*chunks):
         outputs.append(None if per_chunk[0] is None else torch.cat(per_chunk))
@@ -490,16 +457,16 @@ def _linear_forward(hidden, weight, tokens, kept, temperature, backend, chunk, b
 
 class _LinearTokenLogprobsFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, tokens, kept, temperature, backend, chunk, block_v):
-        logp, ent, *stats = _linear_forward(hidden, weight, tokens, kept, temperature, backend, chunk, block_v)
+    def forward(ctx, hidden, weight, tokens, kept, temperature, backend, chunk):
+        logp, ent, *stats = _linear_forward(hidden, weight, tokens, kept, temperature, backend, chunk)
         ctx.save_for_backward(hidden, weight, tokens, kept, *stats)
-        ctx.args = (temperature, backend, chunk, block_v, logp.dtype)
+        ctx.args = (temperature, backend, chunk, logp.dtype)
         return logp, ent
 
     @staticmethod
     def backward(ctx, g_logp, g_ent):
         hidden, weight, tokens, kept, *stats = ctx.saved_tensors
-        temperature, backend, chunk, block_v, cdtype = ctx.args
+        temperature, backend, chunk, cdtype = ctx.args
         g_logp = g_logp.to(cdtype).contiguous()
         g_ent = g_ent.to(cdtype).contiguous()
         need_h, need_w = ctx.needs_input_grad[:2]
@@ -511,12 +478,12 @@ class _LinearTokenLogprobsFn(torch.autograd.Function):
             logits = hidden[r] @ weight.T                                               # (c, V) recomputed
             chunk_stats = [None if t is None else t[r] for t in stats]
             d_logits = _backward(logits, tokens[r], None, None if kept is None else kept[r], temperature, backend,
-                                 block_v, chunk_stats, g_logp[r], g_ent[r], inplace=True)  # (c, V), in logits
+                                 chunk_stats, g_logp[r], g_ent[r], inplace=True)  # (c, V), Triton: in logits
             if need_h:
                 d_hidden[r] = d_logits @ weight                                         # (c, H)
             if need_w:
                 d_weight.addmm_(d_logits.T.float(), hidden[r].float())                  # (V, H)
-        return d_hidden, None if d_weight is None else d_weight.to(weight.dtype), *([None] * 6)
+        return d_hidden, None if d_weight is None else d_weight.to(weight.dtype), *([None] * 5)
 
 
 def linear_token_logprobs(hidden, weight, tokens, temperature=1.0, *, mask=None, kept_ids=None, backend="auto",
@@ -528,24 +495,20 @@ def linear_token_logprobs(hidden, weight, tokens, temperature=1.0, *, mask=None,
     under 256 MB (at V = 152k: 441 rows); each chunk's logits (in hidden's dtype) go through the log-prob kernel.
     The backward recomputes each chunk's logits (one extra matmul per chunk), writes d(logits) into that buffer
     (in place), and accumulates d(hidden) = d(logits) @ W and d(weight) += d(logits).T @ hidden. Extra memory
-    ~ one chunk of logits plus d(weight) (which eager autograd needs too). The vocab is never chunked: one row of
-    logits (V floats, < 1 MB for any real tokenizer) always fits in a chunk.
+    ~ one chunk of logits plus d(weight) (which eager autograd needs too).
     Differentiable w.r.t. hidden and weight; see token_logprobs for the other arguments and the outputs.
     """
-    V, H = weight.shape
-    if hidden.shape[-1] != H:
-        raise ValueError(f"hidden has {hidden.shape[-1]} features, weight (V, H) has H = {H}")
     backend = _pick_backend(backend, weight)
     shape = tokens.shape
-    tokens, mask, kept_ids = _flat_inputs(hidden.shape[:-1], tokens, mask, kept_ids, temperature)
-    hidden2d = hidden.reshape(-1, H)                                                    # (N, H)
+    tokens, mask, kept_ids = _flat_inputs(hidden.shape[:-1], tokens, mask, kept_ids)
+    hidden2d = hidden.reshape(-1, hidden.shape[-1])                                     # (N, H)
     rows = None if mask is None else mask.nonzero().squeeze(1)
     if rows is not None:  # index_select's backward scatters into zeros: masked rows get exactly 0 gradient
         hidden2d = hidden2d.index_select(0, rows)
         tokens = tokens[rows]
         kept_ids = None if kept_ids is None else kept_ids[rows]
-    chunk = max(1, min(chunk_tokens, _LINEAR_CHUNK_BYTES // (4 * V)))
-    args = (tokens, kept_ids, float(temperature), backend, chunk, BLOCK_V)
+    chunk = max(1, min(chunk_tokens, _LINEAR_CHUNK_BYTES // (4 * weight.shape[0])))
+    args = (tokens, kept_ids, float(temperature), backend, chunk)
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         logp, ent = _LinearTokenLogprobsFn.apply(hidden2d, weight, *args)
     else:  # scoring: nothing saved
