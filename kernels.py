@@ -173,7 +173,8 @@ def _torch_forward(logits, tokens, mask, kept, temperature):
     return logp, entropy, row_max, entropy.clone()
 
 
-def _torch_backward(logits, tokens, mask, kept, temperature, row_max, entropy, g_logp, g_ent):
+def _torch_backward(logits, tokens, mask, kept, temperature, row_max, entropy, g_logp, g_ent, inplace):
+    # (inplace: an option of the Triton path only; here each chunk's gradient is a new tensor)
     V = logits.shape[-1]
     cdtype = _compute_dtype(logits)
     x2d = logits.reshape(-1, V)
@@ -364,26 +365,16 @@ def _triton_backward(logits, tokens, mask, kept, temperature, row_max, lse, zbar
 
 
 # ---------------------------------------------------------------------------------------------------- dispatch
-
-def _forward(logits, tokens, mask, kept, temperature, backend):
-    """logp and entropy, (N,) in the compute dtype with masked rows 0, then the per-row statistics that the same
-    backend's backward needs: Triton: m = max x (logit units), lse = log sum exp((x - m) / T), zbar = sum p (x - m) / T;
-    torch: the row max (None when T = 1) and the entropy."""
-    if backend == "triton":
-        return _triton_forward(logits, tokens, mask, kept, temperature)
-    return _torch_forward(logits, tokens, mask, kept, temperature)
-
-
-def _backward(logits, tokens, mask, kept, temperature, backend, stats, g_logp, g_ent, inplace):
-    if backend == "triton":
-        return _triton_backward(logits, tokens, mask, kept, temperature, *stats, g_logp, g_ent, inplace)
-    return _torch_backward(logits, tokens, mask, kept, temperature, *stats, g_logp, g_ent)
+# backend -> (forward, backward). A forward returns logp and entropy, (N,) in the compute dtype with masked rows 0,
+# then the per-row statistics that the same backend's backward needs: Triton: m = max x (logit units),
+# lse = log sum exp((x - m) / T), zbar = sum p (x - m) / T; torch: the row max (None when T = 1) and the entropy.
+_BACKENDS = {"triton": (_triton_forward, _triton_backward), "torch": (_torch_forward, _torch_backward)}
 
 
 class _TokenLogprobsFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, tokens, mask, kept, temperature, backend, inplace):
-        logp, ent, *stats = _forward(logits, tokens, mask, kept, temperature, backend)
+        logp, ent, *stats = _BACKENDS[backend][0](logits, tokens, mask, kept, temperature)
         ctx.save_for_backward(logits, tokens, mask, kept, *stats)
         ctx.args = (temperature, backend, inplace)
         return logp, ent
@@ -396,7 +387,7 @@ class _TokenLogprobsFn(torch.autograd.Function):
         # Upstream gradients may be broadcast views (loss = x.sum()); the kernels want contiguous (N,) vectors.
         g_logp = g_logp.reshape(-1).to(cdtype).contiguous()
         g_ent = g_ent.reshape(-1).to(cdtype).contiguous()
-        grad = _backward(logits, tokens, mask, kept, temperature, backend, stats, g_logp, g_ent, inplace)
+        grad = _BACKENDS[backend][1](logits, tokens, mask, kept, temperature, *stats, g_logp, g_ent, inplace)
         return grad, *([None] * 6)
 
 
@@ -429,24 +420,24 @@ def token_logprobs(logits, tokens, temperature=1.0, *, mask=None, kept_ids=None,
     if tokens.numel() == 0:
         logp = logits.new_zeros(shape, dtype=_compute_dtype(logits))
         return logp, logp.clone()
-    args = (tokens, mask, kept_ids, float(temperature), backend)
+    args = (tokens, mask, kept_ids, float(temperature))
     if torch.is_grad_enabled() and logits.requires_grad:
-        logp, ent = _TokenLogprobsFn.apply(logits, *args, inplace_backward)
+        logp, ent = _TokenLogprobsFn.apply(logits, *args, backend, inplace_backward)
     else:
-        logp, ent = _forward(logits, *args)[:2]
+        logp, ent = _BACKENDS[backend][0](logits, *args)[:2]
     return logp.view(shape), ent.view(shape)
 
 
 def _linear_forward(hidden, weight, tokens, kept, temperature, backend, chunk):
-    """Chunked forward: hidden (n, H) real rows only, weight (V, H). Returns the (n,) outputs of _forward."""
+    """Chunked forward: hidden (n, H) real rows only, weight (V, H). Returns the (n,) outputs of a forward."""
     n = hidden.shape[0]
     if n == 0:  # one empty chunk, for outputs of the right kind
-        return _forward(hidden @ weight.T, tokens, None, kept, temperature, "torch")
+        return _torch_forward(hidden @ weight.T, tokens, None, kept, temperature)
     chunks = []
     for r0 in range(0, n, chunk):
         r = slice(r0, min(r0 + chunk, n))
         logits = hidden[r] @ weight.T                                                   # (c, V) in hidden's dtype
-        chunks.append(_forward(logits, tokens[r], None, None if kept is None else kept[r], temperature, backend))
+        chunks.append(_BACKENDS[backend][0](logits, tokens[r], None, None if kept is None else kept[r], temperature))
     outputs = []  # logp, entropy, then the backward's statistics (None: the torch path's row max at T = 1)
     for per_chunk in zip(*chunks):
         outputs.append(None if per_chunk[0] is None else torch.cat(per_chunk))
@@ -475,8 +466,8 @@ class _LinearTokenLogprobsFn(torch.autograd.Function):
             r = slice(r0, min(r0 + chunk, hidden.shape[0]))
             logits = hidden[r] @ weight.T                                               # (c, V) recomputed
             chunk_stats = [None if t is None else t[r] for t in stats]
-            d_logits = _backward(logits, tokens[r], None, None if kept is None else kept[r], temperature, backend,
-                                 chunk_stats, g_logp[r], g_ent[r], inplace=True)  # (c, V), Triton: in logits
+            d_logits = _BACKENDS[backend][1](logits, tokens[r], None, None if kept is None else kept[r], temperature,
+                                             *chunk_stats, g_logp[r], g_ent[r], True)  # (c, V), Triton: in logits
             if need_h:
                 d_hidden[r] = d_logits @ weight                                         # (c, H)
             if need_w:
