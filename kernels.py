@@ -214,20 +214,16 @@ if triton is not None:
         x_ptr, n_inner, x_stride_outer, x_stride_inner,
         logp_ptr, ent_ptr, max_ptr, lse_ptr, zbar_ptr,
         tok_ptr, mask_ptr, kept_ptr, kept_stride, n_cols, inv_temp,
-        HAS_MASK: tl.constexpr, HAS_KEPT: tl.constexpr, BLOCK: tl.constexpr,
+        HAS_KEPT: tl.constexpr, BLOCK: tl.constexpr,
     ):
         # One program per row; row r starts at (r // n_inner) * stride_outer + (r % n_inner) * stride_inner, which
         # reads slices like logits[:, P-1:-1] in place. int64: rows x vocab passes 2^31 quickly.
         row = tl.program_id(0).to(tl.int64)
         x_row = x_ptr + (row // n_inner) * x_stride_outer + (row % n_inner) * x_stride_inner
         tok = tl.load(tok_ptr + row)
-        if HAS_MASK:
-            active = tl.load(mask_ptr + row) != 0
-            n_todo = tl.where(active, n_cols, 0)  # a masked row runs zero iterations: it costs nothing
-            x_tok = tl.load(x_row + tok, mask=active, other=0.0).to(tl.float32)
-        else:
-            n_todo = n_cols
-            x_tok = tl.load(x_row + tok).to(tl.float32)
+        active = tl.load(mask_ptr + row) != 0
+        n_todo = tl.where(active, n_cols, 0)  # a masked row runs zero iterations: it costs nothing
+        x_tok = tl.load(x_row + tok, mask=active, other=0.0).to(tl.float32)
         # Online softmax over the row in blocks: m = running max of x (logit units), z = (x - m) / T,
         # l = sum exp(z), s = sum exp(z) z. When the max grows, old terms scale by alpha and s's old z shift.
         # (x - m) is exact for the values that matter, so 1/T never rounds a large common offset.
@@ -262,10 +258,9 @@ if triton is not None:
         if HAS_KEPT:
             logp = tl.where(found > 0, logp, float("-inf"))  # sampled token outside the kept set
         ent = lse - zbar
-        if HAS_MASK:
-            logp = tl.where(active, logp, 0.0)
-            ent = tl.where(active, ent, 0.0)
-            m = tl.where(active, m, 0.0)
+        logp = tl.where(active, logp, 0.0)
+        ent = tl.where(active, ent, 0.0)
+        m = tl.where(active, m, 0.0)
         tl.store(logp_ptr + row, logp)
         tl.store(ent_ptr + row, ent)
         tl.store(max_ptr + row, m)
@@ -277,7 +272,7 @@ if triton is not None:
         x_ptr, n_inner, x_stride_outer, x_stride_inner,
         dx_ptr, dx_stride_outer, dx_stride_inner, max_ptr, lse_ptr, zbar_ptr, glogp_ptr, gent_ptr,
         tok_ptr, mask_ptr, kept_ptr, kept_stride, n_cols, inv_temp,
-        HAS_MASK: tl.constexpr, HAS_KEPT: tl.constexpr, BLOCK: tl.constexpr,
+        HAS_KEPT: tl.constexpr, BLOCK: tl.constexpr,
     ):
         # Recomputes p from the saved row max and lse (no saved probabilities): reads the row once, writes d(row)
         # once. dx may be x itself (in-place backward): each element is read before it is written, by one program.
@@ -285,21 +280,15 @@ if triton is not None:
         x_row = x_ptr + (row // n_inner) * x_stride_outer + (row % n_inner) * x_stride_inner
         dx_row = dx_ptr + (row // n_inner) * dx_stride_outer + (row % n_inner) * dx_stride_inner
         tok = tl.load(tok_ptr + row)
-        g_logp = tl.load(glogp_ptr + row)
-        g_ent = tl.load(gent_ptr + row)
-        if HAS_MASK:
-            active = tl.load(mask_ptr + row) != 0
-            n_read = tl.where(active, n_cols, 0)
-            # A masked dense row still loops, to write zeros (without reading); with kept ids the gradient buffer
-            # is pre-zeroed, so a masked row does nothing.
-            if HAS_KEPT:
-                n_todo = n_read
-            else:
-                n_todo = n_cols
-            g_logp = tl.where(active, g_logp, 0.0)  # where, not *: the masked rows' values may be NaN
-            g_ent = tl.where(active, g_ent, 0.0)
+        active = tl.load(mask_ptr + row) != 0
+        g_logp = tl.where(active, tl.load(glogp_ptr + row), 0.0)  # where, not *: the masked rows' values may be NaN
+        g_ent = tl.where(active, tl.load(gent_ptr + row), 0.0)
+        n_read = tl.where(active, n_cols, 0)
+        # A masked dense row still loops, to write zeros (without reading); with kept ids the gradient buffer is
+        # pre-zeroed, so a masked row does nothing.
+        if HAS_KEPT:
+            n_todo = n_read
         else:
-            n_read = n_cols
             n_todo = n_cols
         m = tl.load(max_ptr + row)
         lse = tl.load(lse_ptr + row)
@@ -333,12 +322,13 @@ def _launch(kernel, x, tokens, mask, kept, temperature, *args):
     """kernel with one program per row of x (outer, inner, V); args: its arguments between x's layout and tok_ptr."""
     n_cols = x.shape[-1] if kept is None else kept.shape[1]
     block = max(16, min(BLOCK_V, triton.next_power_of_2(n_cols)))
-    # (a pointer argument cannot be None: an unused one gets the tokens, which the kernel then never reads)
+    if mask is None:
+        mask = torch.ones(tokens.shape, dtype=torch.bool, device=tokens.device)
+    # (a pointer argument cannot be None: without kept ids, kept_ptr gets the tokens, which the kernel never reads)
     kernel[(tokens.numel(),)](  # 1-D grid: dim 0 may be up to 2^31 - 1, unlike dims 1 and 2 (65535)
         x, x.shape[1], x.stride(0), x.stride(1), *args,
-        tokens, tokens if mask is None else mask.view(torch.uint8), tokens if kept is None else kept,
-        0 if kept is None else kept.stride(0), n_cols, 1.0 / temperature,
-        HAS_MASK=mask is not None, HAS_KEPT=kept is not None, BLOCK=block,
+        tokens, mask.view(torch.uint8), tokens if kept is None else kept, 0 if kept is None else kept.stride(0),
+        n_cols, 1.0 / temperature, HAS_KEPT=kept is not None, BLOCK=block,
         num_warps=max(1, min(16, block // 512)),  # 4096 -> 8 warps, 8192 -> 16, 256 -> 1
     )
 
