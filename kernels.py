@@ -27,9 +27,8 @@ Each has a Triton path (CUDA, or CPU tensors under TRITON_INTERPRET=1) that sums
 (x - m is exact for the logits that carry probability, so dividing by T rounds no large offset), and a plain PyTorch
 path (CPU; with float64 input it is the reference the tests compare against). `python kernels.py --bench` measures.
 
-The second half holds ppo_tokens.py's other fast paths: the sampler's static KV cache and CUDA graph, packed
-(padding-free) attention and sequence packing. This file depends on torch, triton and transformers only, never on
-ppo_tokens.py, which loads it as `ppo_tokens_kernels`.
+The second half holds ppo_tokens.py's other fast paths (see "fast paths"). This file needs torch, triton and
+transformers only, never ppo_tokens.py, which loads it as `ppo_tokens_kernels`.
 """
 import argparse
 import contextlib
@@ -402,7 +401,6 @@ def token_logprobs(logits, tokens, temperature=1.0, *, mask=None, kept_ids=None,
       "torch".
     inplace_backward: Triton's backward writes d(logits) into the logits' storage (the caller promises not to reuse
       logits); saves one logits-sized buffer. Ignored with kept_ids and by the torch path.
-    When grad is disabled or logits do not require grad, nothing is saved for a backward (the scoring fast path).
     """
     backend = _pick_backend(backend, logits)
     shape = tokens.shape
@@ -410,11 +408,7 @@ def token_logprobs(logits, tokens, temperature=1.0, *, mask=None, kept_ids=None,
     if tokens.numel() == 0:
         logp = logits.new_zeros(shape, dtype=_compute_dtype(logits))
         return logp, logp.clone()
-    args = (tokens, mask, kept_ids, float(temperature))
-    if torch.is_grad_enabled() and logits.requires_grad:
-        logp, ent = _TokenLogprobsFn.apply(logits, *args, backend, inplace_backward)
-    else:
-        logp, ent = _BACKENDS[backend][0](logits, *args)[:2]
+    logp, ent = _TokenLogprobsFn.apply(logits, tokens, mask, kept_ids, float(temperature), backend, inplace_backward)
     return logp.view(shape), ent.view(shape)
 
 
@@ -428,10 +422,8 @@ def _linear_forward(hidden, weight, tokens, kept, temperature, backend, chunk):
         r = slice(r0, min(r0 + chunk, n))
         logits = hidden[r] @ weight.T                                                   # (c, V) in hidden's dtype
         chunks.append(_BACKENDS[backend][0](logits, tokens[r], None, None if kept is None else kept[r], temperature))
-    outputs = []  # logp, entropy, then the backward's statistics (None: the torch path's row max at T = 1)
-    for per_chunk in zip(*chunks):
-        outputs.append(None if per_chunk[0] is None else torch.cat(per_chunk))
-    return outputs
+    # logp, entropy, then the backward's statistics (None: the torch path's row max at T = 1)
+    return [None if per_chunk[0] is None else torch.cat(per_chunk) for per_chunk in zip(*chunks)]
 
 
 class _LinearTokenLogprobsFn(torch.autograd.Function):
@@ -487,11 +479,7 @@ def linear_token_logprobs(hidden, weight, tokens, temperature=1.0, *, mask=None,
         tokens = tokens[rows]
         kept_ids = None if kept_ids is None else kept_ids[rows]
     chunk = max(1, min(chunk_tokens, _LINEAR_CHUNK_BYTES // (4 * weight.shape[0])))
-    args = (tokens, kept_ids, float(temperature), backend, chunk)
-    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-        logp, ent = _LinearTokenLogprobsFn.apply(hidden2d, weight, *args)
-    else:  # scoring: nothing saved
-        logp, ent = _linear_forward(hidden2d, weight, *args)[:2]
+    logp, ent = _LinearTokenLogprobsFn.apply(hidden2d, weight, tokens, kept_ids, float(temperature), backend, chunk)
     if rows is not None:  # scatter the real rows back; masked rows are exactly 0
         logp = logp.new_zeros(mask.shape[0]).index_copy(0, rows, logp)
         ent = ent.new_zeros(mask.shape[0]).index_copy(0, rows, ent)
@@ -500,15 +488,13 @@ def linear_token_logprobs(hidden, weight, tokens, temperature=1.0, *, mask=None,
 
 # ------------------------------------------------------------------------------------------------------ fast paths
 # The same results as ppo_tokens.py's plain paths, faster; each is checked against its plain path before it is used
-# (fast_decoder, use_packed_attention, fused_head_agrees), and ppo_tokens.py calls it through one small function.
-# - StaticDecoder: the sampler's model calls with a preallocated KV cache and a CUDA graph per decode step, and a
-#   group's shared prompt prefilled once (the plain path: ppo_tokens.PlainDecoder).
-# - Packed (padding-free) forwards: the real tokens of a micro-batch as one row (pack_sequences), and an attention for
-#   transformers that keeps the sequences apart: flash-attn's varlen kernel when it imports (CUDA, bf16/fp16),
-#   otherwise SDPA on a right-padded view of the packed sequences: every linear layer, norm and the lm_head run on the
-#   real tokens only, and the attention of a micro-batch of similar lengths (token_budget_bins) pads little.
-#   transformers' own packed path for SDPA builds an (N, N) block-diagonal mask and computes every block of it.
-#   (The plain path: padded rows, ppo_tokens.full_sequence.)
+# (fast_decoder, use_packed_attention, fused_head_agrees).
+# - StaticDecoder: the sampler's model calls with a preallocated KV cache, a CUDA graph per decode step, and a group's
+#   shared prompt prefilled once (the plain path: ppo_tokens.PlainDecoder).
+# - Packed (padding-free) forwards (pack_sequences): every linear layer, norm and the lm_head run on the real tokens
+#   only; ppo_attention keeps the sequences apart with flash-attn's varlen kernel (CUDA, bf16/fp16) or SDPA on a
+#   right-padded view, which pads little for a micro-batch of similar lengths (token_budget_bins). (transformers' own
+#   packed SDPA path computes every block of an (N, N) mask.) The plain path: padded rows, ppo_tokens.full_sequence.
 
 
 def fall_back(message: str):
@@ -772,32 +758,25 @@ def repeat_cache_rows(source, target, group: int):
             target_layer.cumulative_length_int = source_layer.cumulative_length_int
 
 
-def shared_cache_agrees(decoder, model, batch_size: int, group: int):
-    """Raises unless a shared prefill leaves the cache a prefill of every row builds (to rounding): a check that does
-    not depend on how peaked the model's next-token distributions are."""
-    batch = check_batch(model, batch_size, group)
-    shared, states = decoder.shared, []
-    try:
-        for use_shared in (True, False):
-            decoder.shared = shared if use_shared else None
-            decoder.start(*batch)
-            layers = decoder.cache[decoder.cache_kwarg].layers
-            states.append([t.float() for layer in layers for t in vars(layer).values() if isinstance(t, torch.Tensor)])
-    finally:
-        decoder.shared = shared
-    for a, b in zip(*states, strict=True):
-        if not torch.allclose(a, b, rtol=0.02, atol=0.02):  # (bf16: a few rounding steps)
-            raise ValueError(f"its cache differs from a prefill of every row by {float((a - b).abs().max()):.3g}")
-
-
 def share_prefill_checked(decoder, model, batch_size: int, plain, name: str):
-    """Keeps decoder.shared only while it samples what the plain loop samples and builds the plain prefill's cache;
-    else turns the sharing off with a message (fall_back). Called after share_prefill, a compile and a capture."""
-    if decoder.shared is None:
+    """Keeps decoder.shared only while it samples what the plain loop samples and leaves the cache a prefill of every
+    row builds (to rounding: a check that does not depend on how peaked the next-token distributions are); else turns
+    the sharing off with a message (fall_back). Called after share_prefill, a compile and a capture."""
+    shared = decoder.shared
+    if shared is None:
         return
     try:
         agrees_with_plain_loop(decoder, model, batch_size, plain, decoder.group)
-        shared_cache_agrees(decoder, model, batch_size, decoder.group)
+        batch, states = check_batch(model, batch_size, decoder.group), []
+        for prefill_by in (shared, None):
+            decoder.shared = prefill_by
+            decoder.start(*batch)
+            layers = decoder.cache[decoder.cache_kwarg].layers
+            states.append([t.float() for layer in layers for t in vars(layer).values() if isinstance(t, torch.Tensor)])
+        decoder.shared = shared
+        for a, b in zip(*states, strict=True):
+            if not torch.allclose(a, b, rtol=0.02, atol=0.02):  # (bf16: a few rounding steps)
+                raise ValueError(f"its cache differs from a prefill of every row by {float((a - b).abs().max()):.3g}")
     except Exception as e:  # a cache layout repeat_cache_rows does not know
         decoder.shared = None
         fall_back(f"shared prefill off for {name} ({str(e).splitlines()[0][:200]}); every row prefills its prompt")
