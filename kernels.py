@@ -85,8 +85,6 @@ def _empty(shape, dtype, device):
 def _pick_backend(backend, x):  # float64 (the tests' reference) always takes the torch path
     if backend == "auto":
         return "triton" if x.is_cuda and triton is not None and x.dtype != torch.float64 else "torch"
-    if backend not in ("triton", "torch") or (backend == "triton" and x.dtype == torch.float64):
-        raise ValueError(f"backend {backend!r} for {x.dtype} logits: use 'auto', 'triton' (not float64) or 'torch'")
     return backend
 
 
@@ -353,7 +351,7 @@ def _triton_backward(logits, tokens, mask, kept, temperature, row_max, lse, zbar
     return dx.view(logits.shape)
 
 
-# ---------------------------------------------------------------------------------------------------- dispatch
+# ---------------------------------------------------------------------------------------------------- public API
 # backend -> (forward, backward). A forward returns logp and entropy, (N,) in the compute dtype with masked rows 0,
 # then the per-row statistics that the same backend's backward needs: Triton: m = max x (logit units),
 # lse = log sum exp((x - m) / T), zbar = sum p (x - m) / T; torch: the row max (None when T = 1) and the entropy.
@@ -380,8 +378,6 @@ class _TokenLogprobsFn(torch.autograd.Function):
         return grad, *([None] * 6)
 
 
-# ---------------------------------------------------------------------------------------------------- public API
-
 def token_logprobs(logits, tokens, temperature=1.0, *, mask=None, kept_ids=None, backend="auto",
                    inplace_backward=False):
     """Log-prob of each sampled token and the entropy of its distribution, fused.
@@ -397,8 +393,7 @@ def token_logprobs(logits, tokens, temperature=1.0, *, mask=None, kept_ids=None,
       row needs at least one (a row without any finite logit gives NaN). If the sampled token is not in its row's
       set, its logprob is -inf.
     Both outputs are differentiable w.r.t. logits; tokens, mask and kept_ids are constants.
-    backend: "auto" (Triton when logits.is_cuda and triton imports, else torch; float64 always torch), "triton",
-      "torch".
+    backend: "auto" (Triton for CUDA logits when triton imports, else torch; float64: torch), "triton", "torch".
     inplace_backward: Triton's backward writes d(logits) into the logits' storage (the caller promises not to reuse
       logits); saves one logits-sized buffer. Ignored with kept_ids and by the torch path.
     """
@@ -412,24 +407,17 @@ def token_logprobs(logits, tokens, temperature=1.0, *, mask=None, kept_ids=None,
     return logp.view(shape), ent.view(shape)
 
 
-def _linear_forward(hidden, weight, tokens, kept, temperature, backend, chunk):
-    """Chunked forward: hidden (n, H) real rows only, weight (V, H). Returns the (n,) outputs of a forward."""
-    n = hidden.shape[0]
-    if n == 0:  # one empty chunk, for outputs of the right kind
-        return _torch_forward(hidden @ weight.T, tokens, None, kept, temperature)
-    chunks = []
-    for r0 in range(0, n, chunk):
-        r = slice(r0, min(r0 + chunk, n))
-        logits = hidden[r] @ weight.T                                                   # (c, V) in hidden's dtype
-        chunks.append(_BACKENDS[backend][0](logits, tokens[r], None, None if kept is None else kept[r], temperature))
-    # logp, entropy, then the backward's statistics (None: the torch path's row max at T = 1)
-    return [None if per_chunk[0] is None else torch.cat(per_chunk) for per_chunk in zip(*chunks)]
-
-
 class _LinearTokenLogprobsFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, tokens, kept, temperature, backend, chunk):
-        logp, ent, *stats = _linear_forward(hidden, weight, tokens, kept, temperature, backend, chunk)
+    def forward(ctx, hidden, weight, tokens, kept, temperature, backend, chunk):  # hidden (n, H): real rows only
+        forward = _BACKENDS[backend if hidden.shape[0] else "torch"][0]  # (no rows: one empty chunk, torch path)
+        chunks = []
+        for r0 in range(0, max(1, hidden.shape[0]), chunk):
+            r = slice(r0, r0 + chunk)
+            logits = hidden[r] @ weight.T                                               # (c, V) in hidden's dtype
+            chunks.append(forward(logits, tokens[r], None, None if kept is None else kept[r], temperature))
+        # logp, entropy, then the backward's statistics (None: the torch path's row max at T = 1)
+        logp, ent, *stats = [None if c[0] is None else torch.cat(c) for c in zip(*chunks)]
         ctx.save_for_backward(hidden, weight, tokens, kept, *stats)
         ctx.args = (temperature, backend, chunk, logp.dtype)
         return logp, ent
@@ -445,7 +433,7 @@ class _LinearTokenLogprobsFn(torch.autograd.Function):
         # d(weight) is summed over the chunks in float32, then cast to the weight's dtype
         d_weight = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
         for r0 in range(0, hidden.shape[0], chunk):
-            r = slice(r0, min(r0 + chunk, hidden.shape[0]))
+            r = slice(r0, r0 + chunk)
             logits = hidden[r] @ weight.T                                               # (c, V) recomputed
             chunk_stats = [None if t is None else t[r] for t in stats]
             d_logits = _BACKENDS[backend][1](logits, tokens[r], None, None if kept is None else kept[r], temperature,
