@@ -36,8 +36,10 @@ import functools
 import importlib.machinery
 import importlib.util
 import inspect
+import json
 import os
 import sys
+import tempfile
 import time
 
 import torch
@@ -65,7 +67,6 @@ if __name__ == "kernels":
 # a small part of the work. The online update is per block, not per element: one exp per logit (a second one would
 # make the H200's SFUs the limit). Tests lower it.
 BLOCK_V = 4096
-_POISON = False  # tests: outputs and gradients start as NaN, so a row a kernel forgot to write fails the comparison
 _TORCH_CHUNK_ELEMS = 1 << 22  # the torch path's row chunks: at most 16 MB of float32 temporaries per chunk
 _LINEAR_CHUNK_BYTES = 256 << 20  # linear_token_logprobs: at most this many bytes of float32 logits per chunk
 
@@ -74,12 +75,6 @@ _LINEAR_CHUNK_BYTES = 256 << 20  # linear_token_logprobs: at most this many byte
 
 def _compute_dtype(logits):
     return torch.float64 if logits.dtype == torch.float64 else torch.float32
-
-
-def _empty(shape, dtype, device):
-    if _POISON:
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
-    return torch.empty(shape, dtype=dtype, device=device)
 
 
 def _pick_backend(backend, x):  # float64 (the tests' reference) always takes the torch path
@@ -171,7 +166,6 @@ def _torch_forward(logits, tokens, mask, kept, temperature):
 
 
 def _torch_backward(logits, tokens, mask, kept, temperature, row_max, entropy, g_logp, g_ent, inplace):
-    # (inplace: an option of the Triton path only; here each chunk's gradient is a new tensor)
     V = logits.shape[-1]
     cdtype = _compute_dtype(logits)
     x2d = logits.reshape(-1, V)
@@ -179,9 +173,15 @@ def _torch_backward(logits, tokens, mask, kept, temperature, row_max, entropy, g
     rows, chunks = _torch_chunks(mask, N, V if kept is None else kept.shape[1])
     a = g_logp / temperature                                                    # (N,)
     b = g_ent / temperature                                                     # (N,)
-    # Masked rows and the vocab outside a kept set get exactly 0; a single dense chunk is the gradient itself
+    # Masked rows and the vocab outside a kept set get exactly 0; a single dense chunk is the gradient itself. In
+    # place, each chunk's gradient overwrites its logits after they were read (kept ids: never in place, the kept
+    # logits of later chunks would be zeroed before they are read).
     grad = None
-    if rows is not None or kept is not None or len(chunks) > 1:
+    if inplace and kept is None:
+        grad = x2d
+        if rows is not None:
+            grad.index_fill_(0, (~mask).nonzero().squeeze(1), 0.0)
+    elif rows is not None or kept is not None or len(chunks) > 1:
         grad = torch.zeros(N, V, dtype=logits.dtype, device=logits.device)
     for ids in chunks:
         log_p, _, _, tok, k = _torch_log_probs(x2d, tokens, kept, temperature, cdtype, ids, row_max)
@@ -331,7 +331,8 @@ def _launch(kernel, x, tokens, mask, kept, temperature, *args):
 
 
 def _triton_forward(logits, tokens, mask, kept, temperature):
-    logp, ent, row_max, lse, zbar = [_empty((tokens.numel(),), torch.float32, logits.device) for _ in range(5)]
+    N = tokens.numel()
+    logp, ent, row_max, lse, zbar = [torch.empty(N, dtype=torch.float32, device=logits.device) for _ in range(5)]
     _launch(_logprob_fwd_kernel, _rows(logits), tokens, mask, kept, temperature, logp, ent, row_max, lse, zbar)
     return logp, ent, row_max, lse, zbar
 
@@ -345,7 +346,7 @@ def _triton_backward(logits, tokens, mask, kept, temperature, row_max, lse, zbar
     elif inplace:
         dx = x
     else:
-        dx = _empty(x.shape, x.dtype, x.device)
+        dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     _launch(_logprob_bwd_kernel, x, tokens, mask, kept, temperature,
             dx, dx.stride(0), dx.stride(1), row_max, lse, zbar, g_logp, g_ent)
     return dx.view(logits.shape)
@@ -394,8 +395,8 @@ def token_logprobs(logits, tokens, temperature=1.0, *, mask=None, kept_ids=None,
       set, its logprob is -inf.
     Both outputs are differentiable w.r.t. logits; tokens, mask and kept_ids are constants.
     backend: "auto" (Triton for CUDA logits when triton imports, else torch; float64: torch), "triton", "torch".
-    inplace_backward: Triton's backward writes d(logits) into the logits' storage (the caller promises not to reuse
-      logits); saves one logits-sized buffer. Ignored with kept_ids and by the torch path.
+    inplace_backward: the backward writes d(logits) into the logits' storage (the caller promises not to reuse
+      logits); saves one logits-sized buffer. Ignored with kept_ids.
     """
     backend = _pick_backend(backend, logits)
     shape = tokens.shape
@@ -437,7 +438,7 @@ class _LinearTokenLogprobsFn(torch.autograd.Function):
             logits = hidden[r] @ weight.T                                               # (c, V) recomputed
             chunk_stats = [None if t is None else t[r] for t in stats]
             d_logits = _BACKENDS[backend][1](logits, tokens[r], None, None if kept is None else kept[r], temperature,
-                                             *chunk_stats, g_logp[r], g_ent[r], True)  # (c, V), Triton: in logits
+                                             *chunk_stats, g_logp[r], g_ent[r], True)  # (c, V), in logits
             if need_h:
                 d_hidden[r] = d_logits @ weight                                         # (c, H)
             if need_w:
@@ -923,21 +924,40 @@ def _call(fn, tensors, backward):  # fn on new leaves: without grad, or with the
     sum(o.float().sum() for o in fn(*inputs)).backward()
 
 
-def _measure(fn, tensors, device, reps, backward, traffic):
-    """Cells of one _call: ms, peak MB above the inputs (CUDA only), GB/s (traffic bytes over the time)."""
-    call = functools.partial(_call, fn, tensors, backward)
-    try:
-        ms = 1e3 * timed({"call": call}, device, reps)["call"]
-        if device.type != "cuda":
-            return f"{ms:.3f}", "-", f"{traffic / ms / 1e6:.0f}"
+def _peak_mb(fn, device):
+    """Peak MB allocated by torch during fn(), above what was live before it. CUDA: the caching allocator's
+    max_memory_allocated. CPU: the running 'Total Allocated' that torch.profiler(profile_memory=True) records with
+    every allocation and free (read from its trace)."""
+    if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        call()
-        return f"{ms:.3f}", f"{(torch.cuda.max_memory_allocated() - base) / 2**20:.0f}", f"{traffic / ms / 1e6:.0f}"
+        fn()
+        return (torch.cuda.max_memory_allocated() - base) / 2**20
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    with tempfile.TemporaryDirectory() as tmp:
+        prof.export_chrome_trace(os.path.join(tmp, "trace.json"))
+        with open(os.path.join(tmp, "trace.json")) as f:
+            events = [e["args"] for e in json.load(f)["traceEvents"] if e.get("name") == "[memory]"]
+    if not events:
+        return 0.0
+    base = events[0]["Total Allocated"] - events[0]["Bytes"]
+    return (max(e["Total Allocated"] for e in events) - base) / 2**20
+
+
+def _measure(fn, tensors, device, reps, backward):
+    """(ms, peak MB) of one _call, or why it has none, twice."""
+    call = functools.partial(_call, fn, tensors, backward)
+    try:
+        return 1e3 * timed({"call": call}, device, reps)["call"], _peak_mb(call, device)
     except torch.OutOfMemoryError:
-        return "OOM", "OOM", "-"
+        return "OOM", "OOM"
     except Exception as e:  # e.g. torch.compile without a working compiler
-        return f"fail: {type(e).__name__}", "-", "-"
+        return f"fail: {type(e).__name__}", "-"
+
+
+def _cell(value, spec):  # a number in spec, or the reason why there is none as it is
+    return format(value, spec) if isinstance(value, float) else str(value)
 
 
 def _bench(args):
@@ -957,9 +977,10 @@ def _bench(args):
         methods["ours, triton"] = functools.partial(token_logprobs, backend="triton")
     print(f"device: {torch.cuda.get_device_name() if gpu else 'cpu'}, torch {torch.__version__}, "
           f"triton {getattr(triton, '__version__', 'not installed')}; ms: median of {reps} runs after a warm-up")
-    print("GB/s: the logits' bytes read (fwd), or read twice and the gradient written (fwd+bwd), over the time")
-    head = (f"{'tokens x vocab dtype':>22} | {'method':<24} | {'fwd ms':>10} {'MB':>6} {'GB/s':>6} | "
-            f"{'fwd+bwd ms':>10} {'MB':>6} {'GB/s':>6}")
+    print("peak MB: torch's allocations above the inputs. GB/s: the logits' bytes read (fwd), or read twice and the "
+          "gradient written (fwd+bwd), over the time")
+    head = (f"{'tokens x vocab dtype':>22} | {'method':<24} | {'fwd ms':>10} {'MB':>8} {'GB/s':>6} | "
+            f"{'fwd+bwd ms':>10} {'MB':>8} {'GB/s':>6}")
     print(head)
     print("-" * len(head))
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -967,13 +988,17 @@ def _bench(args):
         logits = torch.randn(n, v, device=device, dtype=dtypes[dtype]).mul_(2)  # no fp32 temporary (40 GB at the top)
         tokens = torch.randint(0, v, (n,), device=device)
         nbytes = logits.numel() * logits.element_size()
-        ms, _, gbs = _measure(torch.clone, [logits], device, reps, False, 2 * nbytes)
-        print(f"{f'{n} x {v} {dtype}':>22} | {'copy (read + write)':<24} | {ms:>10} {'':>6} {gbs:>6} |")
+        copy_ms = 1e3 * timed({"copy": logits.clone}, device, reps)["copy"]  # the bandwidth baseline
+        print(f"{f'{n} x {v} {dtype}':>22} | {'copy (read + write)':<24} | {copy_ms:>10.3f} {'':>8} "
+              f"{2 * nbytes / copy_ms / 1e6:>6.0f} |")
         for name, fn in methods.items():
-            fwd = _measure(fn, [logits, tokens], device, reps, False, nbytes)
-            both = _measure(fn, [logits, tokens], device, reps, True, 3 * nbytes)
-            print(f"{'':>22} | {name:<24} | {fwd[0]:>10} {fwd[1]:>6} {fwd[2]:>6} | {both[0]:>10} {both[1]:>6} "
-                  f"{both[2]:>6}")
+            cells = []
+            for backward, traffic in ((False, nbytes), (True, 3 * nbytes)):
+                ms, mb = _measure(fn, [logits, tokens], device, reps, backward)
+                gbs = traffic / ms / 1e6 if isinstance(ms, float) else "-"
+                cells += [_cell(ms, ".3f"), _cell(mb, ".1f"), _cell(gbs, ".0f")]
+            print(f"{'':>22} | {name:<24} | {cells[0]:>10} {cells[1]:>8} {cells[2]:>6} | {cells[3]:>10} "
+                  f"{cells[4]:>8} {cells[5]:>6}")
         del logits
     if gpu:
         shapes, dtype = [(8192, 32000, 4096), (8192, 151936, 4096)], torch.bfloat16
@@ -984,10 +1009,14 @@ def _bench(args):
         hidden = torch.randn(n, h, device=device, dtype=dtype)
         weight = torch.randn(v, h, device=device, dtype=dtype) / h**0.5
         tokens = torch.randint(0, v, (n,), device=device)
-        grads_mb = (v * h + n * h) * hidden.element_size() / 2**20
-        for name, fn in (("eager", _eager_linear_logprobs), ("linear_token_logprobs", linear_token_logprobs)):
-            ms, mb, _ = _measure(fn, [hidden, weight, tokens], device, reps, True, 0)
-            print(f"  {n} x {v}, H={h}: {name:<21} {ms:>10} ms, peak {mb:>6} MB ({grads_mb:.0f} MB of gradients)")
+        eager_ms, eager_mb = _measure(_eager_linear_logprobs, [hidden, weight, tokens], device, reps, True)
+        fused_ms, fused_mb = _measure(linear_token_logprobs, [hidden, weight, tokens], device, reps, True)
+        print(f"  {n} x {v}, H={h}: eager {_cell(eager_ms, '.1f')} ms, peak {_cell(eager_mb, '.0f')} MB; "
+              f"linear_token_logprobs {_cell(fused_ms, '.1f')} ms, peak {_cell(fused_mb, '.0f')} MB")
+        if isinstance(eager_mb, float) and isinstance(fused_mb, float):
+            grads_mb = (v * h + n * h) * hidden.element_size() / 2**20  # d(W) and d(hidden): needed by any method
+            print(f"    peak beyond the {grads_mb:.0f} MB of gradients: eager {eager_mb - grads_mb:.0f} MB, "
+                  f"fused {fused_mb - grads_mb:.0f} MB")
 
 
 if __name__ == "__main__":
