@@ -111,19 +111,15 @@ def _torch_chunks(mask, n_rows, width):
 
 def _torch_log_probs(x2d, tokens, kept, temperature, cdtype, ids, row_max=None):
     """log p (n, V) of rows `ids`, or (n, K) over their kept ids, in cdtype, with -inf clamped to the most negative
-    finite value (so p * log p = 0 there, not NaN). With T != 1 the row max is subtracted before dividing, as in the
-    Triton kernel (log_softmax shifts by the max only after our division). Returns log p, logp of the sampled tokens
-    (n,), the row max (None when T = 1), the chunk's tokens and kept ids."""
+    finite value (p * log p = 0 there, not NaN); with T != 1 the row max is subtracted before dividing, as in Triton.
+    Returns log p, logp of the sampled tokens (n,), the row max (None when T = 1), the chunk's tokens and kept ids."""
     z = x2d[ids]                                                                # (n, V)
     tok = tokens[ids]                                                           # (n,)
     if kept is not None:
         kept = kept[ids]                                                        # (n, K)
         z = z.gather(1, kept.clamp(min=0)).masked_fill_(kept < 0, float("-inf"))
     if temperature != 1.0:
-        if row_max is None:
-            row_max = z.amax(dim=1).to(cdtype)                                  # (n,) in logit units
-        else:
-            row_max = row_max[ids]
+        row_max = z.amax(dim=1).to(cdtype) if row_max is None else row_max[ids]  # (n,) in logit units
         z = torch.sub(z, row_max[:, None]).div_(temperature)                   # (n, V) in cdtype
     log_p = torch.log_softmax(z, dim=1, dtype=cdtype).clamp_(min=torch.finfo(cdtype).min)
     if kept is None:
@@ -159,9 +155,7 @@ def _torch_forward(logits, tokens, mask, kept, temperature):
         row_maxes.append(row_max)
     logp = _all_rows(logps, rows, x2d.shape[0], like)
     entropy = _all_rows(entropies, rows, x2d.shape[0], like)
-    row_max = None
-    if temperature != 1.0:
-        row_max = _all_rows(row_maxes, rows, x2d.shape[0], like)
+    row_max = _all_rows(row_maxes, rows, x2d.shape[0], like) if temperature != 1.0 else None
     return logp, entropy, row_max, entropy.clone()
 
 
@@ -452,11 +446,9 @@ def linear_token_logprobs(hidden, weight, tokens, temperature=1.0, *, mask=None,
 
     hidden (..., H), weight (V, H) (an lm_head weight, no bias). Masked-out rows are dropped before any matmul. The
     real rows are cut into chunks of at most chunk_tokens rows, further capped so one chunk's float32 logits stay
-    under 256 MB (at V = 152k: 441 rows); each chunk's logits (in hidden's dtype) go through the log-prob kernel.
-    The backward recomputes each chunk's logits (one extra matmul per chunk), writes d(logits) into that buffer
-    (in place), and accumulates d(hidden) = d(logits) @ W and d(weight) += d(logits).T @ hidden. Extra memory
-    ~ one chunk of logits plus d(weight) (which eager autograd needs too).
-    Differentiable w.r.t. hidden and weight; see token_logprobs for the other arguments and the outputs.
+    under 256 MB (at V = 152k: 441 rows). Extra memory: about one chunk of logits (in hidden's dtype), which the
+    backward recomputes and overwrites with d(logits). Differentiable w.r.t. hidden and weight; see token_logprobs
+    for the other arguments and the outputs.
     """
     backend = _pick_backend(backend, weight)
     shape = tokens.shape
@@ -477,13 +469,9 @@ def linear_token_logprobs(hidden, weight, tokens, temperature=1.0, *, mask=None,
 
 # ------------------------------------------------------------------------------------------------------ fast paths
 # The same results as ppo_tokens.py's plain paths, faster; each is checked against its plain path before it is used
-# (fast_decoder, use_packed_attention, fused_head_agrees).
-# - StaticDecoder: the sampler's model calls with a preallocated KV cache, a CUDA graph per decode step, and a group's
-#   shared prompt prefilled once (the plain path: ppo_tokens.PlainDecoder).
-# - Packed (padding-free) forwards (pack_sequences): every linear layer, norm and the lm_head run on the real tokens
-#   only; ppo_attention keeps the sequences apart with flash-attn's varlen kernel (CUDA, bf16/fp16) or SDPA on a
-#   right-padded view, which pads little for a micro-batch of similar lengths (token_budget_bins). (transformers' own
-#   packed SDPA path computes every block of an (N, N) mask.) The plain path: padded rows, ppo_tokens.full_sequence.
+# (fast_decoder, use_packed_attention, fused_head_agrees). Packed (padding-free) forwards run every linear layer,
+# norm and the lm_head on the real tokens only; ppo_attention keeps the sequences apart (transformers' own packed SDPA
+# path computes every block of an (N, N) mask).
 
 
 def fall_back(message: str):
@@ -799,10 +787,9 @@ def agrees_with_plain_loop(decoder, model, batch_size: int, plain, group=1):
 def fast_decoder(model, batch_size: int, max_len: int, plain, compiled=False, threads=0, group=1):
     """A StaticDecoder for model, with a CUDA graph on GPU, when it gives the logits of plain(model), the plain loop
     (ppo_tokens.PlainDecoder), on a test batch; else that plain decoder (or no graph), with a message that says why.
-    group > 1: groups of that many rows with one prompt prefill it once (StaticDecoder.share_prefill).
-    compiled: its prefill and decode step go through torch.compile (dynamic shapes for the prompt length, static for
-    the step), compiled here under `threads` intra-op threads (0 = as now), the number the sampler runs with: the
-    compiled code is specialised to it."""
+    group > 1: groups of that many rows with one prompt prefill it once (StaticDecoder.share_prefill). compiled: the
+    prefill (dynamic shapes) and the decode step (static) go through torch.compile, under `threads` intra-op threads
+    (0 = as now), the number the sampler runs with: the compiled code is specialised to it."""
     name = type(model).__name__
     try:
         decoder = StaticDecoder(model, batch_size, max(max_len, 5))  # (the check and capture() write 5 columns)
