@@ -21,8 +21,6 @@ several float32 copies of a (tokens, vocab) tensor; at 152k vocab that is most o
   knows the scalar loss in the forward, our two outputs get arbitrary upstream gradients, so the backward recomputes
   each chunk's logits: one extra matmul per chunk).
 
-The KL to the reference model is not fused in: it is an elementwise function of two per-token log-probs.
-
 Each has a Triton path (CUDA, or CPU tensors under TRITON_INTERPRET=1) that sums in float32 relative to the row max m
 (x - m is exact for the logits that carry probability, so dividing by T rounds no large offset), and a plain PyTorch
 path (CPU; with float64 input it is the reference the tests compare against). `python kernels.py --bench` measures.
@@ -62,20 +60,15 @@ if __name__ == "kernels":
         sys.modules["kernels"] = importlib.util.module_from_spec(_hub)
         _hub.loader.exec_module(sys.modules["kernels"])
 
-# 4096 float32 values per block: with 8 warps, 16 values per thread, enough bytes in flight per SM to saturate HBM
-# (Little's law: ~5 TB/s x ~1 us latency / 132 SMs ~ 40 KB) while the three per-block reductions (max, two sums) stay
-# a small part of the work. The online update is per block, not per element: one exp per logit (a second one would
-# make the H200's SFUs the limit). Tests lower it.
+# 4096 float32 values per block: with 8 warps, 16 per thread, enough bytes in flight per SM to saturate HBM (Little's
+# law: ~5 TB/s x ~1 us latency / 132 SMs ~ 40 KB) while the three per-block reductions stay a small part of the work.
+# The online update is per block: one exp per logit (a second would make the H200's SFUs the limit). Tests lower it.
 BLOCK_V = 4096
 _TORCH_CHUNK_ELEMS = 1 << 22  # the torch path's row chunks: at most 16 MB of float32 temporaries per chunk
 _LINEAR_CHUNK_BYTES = 256 << 20  # linear_token_logprobs: at most this many bytes of float32 logits per chunk
 
 
 # ---------------------------------------------------------------------------------------------------- shared helpers
-
-def _compute_dtype(logits):
-    return torch.float64 if logits.dtype == torch.float64 else torch.float32
-
 
 def _pick_backend(backend, x):  # float64 (the tests' reference) always takes the torch path
     if backend == "auto":
@@ -143,7 +136,7 @@ def _torch_forward(logits, tokens, mask, kept, temperature):
     """logp and entropy (N,), masked rows 0, then what _torch_backward needs: the row max (None when T = 1) and a
     copy of the entropy (the caller may modify the output in place)."""
     V = logits.shape[-1]
-    cdtype = _compute_dtype(logits)
+    cdtype = torch.promote_types(logits.dtype, torch.float32)  # the compute dtype: float32, float64 for float64
     x2d = logits.reshape(-1, V)  # a copy (input dtype) only if the leading dims cannot be merged
     like = x2d.new_zeros(0, dtype=cdtype)
     rows, chunks = _torch_chunks(mask, x2d.shape[0], V if kept is None else kept.shape[1])
@@ -161,7 +154,7 @@ def _torch_forward(logits, tokens, mask, kept, temperature):
 
 def _torch_backward(logits, tokens, mask, kept, temperature, row_max, entropy, g_logp, g_ent, inplace):
     V = logits.shape[-1]
-    cdtype = _compute_dtype(logits)
+    cdtype = torch.promote_types(logits.dtype, torch.float32)
     x2d = logits.reshape(-1, V)
     N = x2d.shape[0]
     rows, chunks = _torch_chunks(mask, N, V if kept is None else kept.shape[1])
@@ -333,9 +326,7 @@ def _triton_forward(logits, tokens, mask, kept, temperature):
 
 def _triton_backward(logits, tokens, mask, kept, temperature, row_max, lse, zbar, g_logp, g_ent, inplace):
     x = _rows(logits)
-    if kept is not None:
-        # Only the K kept positions get a gradient; the rest must be 0, so the buffer is zeroed first (and cannot
-        # be the logits themselves, whose kept values the kernel still has to read).
+    if kept is not None:  # only the K kept ids get a gradient, into zeros (not into x: the kernel still reads it)
         dx = torch.zeros(x.shape, dtype=x.dtype, device=x.device)
     elif inplace:
         dx = x
@@ -365,7 +356,7 @@ class _TokenLogprobsFn(torch.autograd.Function):
     def backward(ctx, g_logp, g_ent):
         logits, tokens, mask, kept, *stats = ctx.saved_tensors
         temperature, backend, inplace = ctx.args
-        cdtype = _compute_dtype(logits)
+        cdtype = torch.promote_types(logits.dtype, torch.float32)
         # Upstream gradients may be broadcast views (loss = x.sum()); the kernels want contiguous (N,) vectors.
         g_logp = g_logp.reshape(-1).to(cdtype).contiguous()
         g_ent = g_ent.reshape(-1).to(cdtype).contiguous()
@@ -396,7 +387,7 @@ def token_logprobs(logits, tokens, temperature=1.0, *, mask=None, kept_ids=None,
     shape = tokens.shape
     tokens, mask, kept_ids = _flat_inputs(logits.shape[:-1], tokens, mask, kept_ids)
     if tokens.numel() == 0:
-        logp = logits.new_zeros(shape, dtype=_compute_dtype(logits))
+        logp = logits.new_zeros(shape, dtype=torch.promote_types(logits.dtype, torch.float32))
         return logp, logp.clone()
     logp, ent = _TokenLogprobsFn.apply(logits, tokens, mask, kept_ids, float(temperature), backend, inplace_backward)
     return logp.view(shape), ent.view(shape)
@@ -469,9 +460,8 @@ def linear_token_logprobs(hidden, weight, tokens, temperature=1.0, *, mask=None,
 
 # ------------------------------------------------------------------------------------------------------ fast paths
 # The same results as ppo_tokens.py's plain paths, faster; each is checked against its plain path before it is used
-# (fast_decoder, use_packed_attention, fused_head_agrees). Packed (padding-free) forwards run every linear layer,
-# norm and the lm_head on the real tokens only; ppo_attention keeps the sequences apart (transformers' own packed SDPA
-# path computes every block of an (N, N) mask).
+# (fast_decoder, use_packed_attention, fused_head_agrees). Packed forwards run every layer on the real tokens only;
+# ppo_attention keeps the sequences apart (transformers' own packed SDPA computes every block of an (N, N) mask).
 
 
 def fall_back(message: str):
@@ -831,11 +821,10 @@ def fast_decoder(model, batch_size: int, max_len: int, plain, compiled=False, th
 
 def pack_sequences(input_ids, attention_mask, prompt_lengths, response_mask):
     """The real tokens of a left-padded batch (input_ids, attention_mask (B, L): prompt + response, each row's real
-    tokens contiguous; prompt_lengths (B,); response_mask (B, T)) as one row, each sequence's prompt then response,
-    back to back, with position ids restarting at 0 for each. Returns (input_ids (1, N), an empty 4D mask that tells
-    transformers not to build one, position_ids (1, N), layout): layout["predict"] (n,) the packed column whose hidden
-    state predicts each real response token (row-major), cu_seqlens for flash-attn, and where each token goes in the
-    right-padded view."""
+    tokens contiguous; prompt_lengths (B,); response_mask (B, T)) as one row, sequence after sequence, with position
+    ids restarting at 0 for each. Returns (input_ids (1, N), an empty 4D mask that tells transformers not to build one,
+    position_ids (1, N), layout): layout["predict"] (n,) the packed column whose hidden state predicts each real
+    response token (row-major), cu_seqlens for flash-attn, and where each token goes in the right-padded view."""
     real, device = attention_mask.bool(), input_ids.device
     lengths = real.sum(1)  # (B,)
     starts = lengths.cumsum(0) - lengths  # (B,) where each sequence starts in the packed row
@@ -912,9 +901,8 @@ def _call(fn, tensors, backward):  # fn on new leaves: without grad, or with the
 
 
 def _peak_mb(fn, device):
-    """Peak MB allocated by torch during fn(), above what was live before it. CUDA: the caching allocator's
-    max_memory_allocated. CPU: the running 'Total Allocated' that torch.profiler(profile_memory=True) records with
-    every allocation and free (read from its trace)."""
+    """Peak MB allocated by torch during fn(), above what was live before it: CUDA's max_memory_allocated; on CPU the
+    running 'Total Allocated' that torch.profiler(profile_memory=True) records with each allocation (in its trace)."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
@@ -947,7 +935,7 @@ def _cell(value, spec):  # a number in spec, or the reason why there is none as 
     return format(value, spec) if isinstance(value, float) else str(value)
 
 
-def _bench(args):
+def _bench():
     gpu = torch.cuda.is_available()
     device = torch.device("cuda" if gpu else "cpu")
     reps = 5 if gpu else 3
@@ -955,9 +943,6 @@ def _bench(args):
         shapes = [(n, v, "bf16") for v in (32000, 151936) for n in (8192, 32768, 65536)] + [(8192, 32000, "fp32")]
     else:  # small enough for a laptop; the last one is the CPU demo's shape (many tiny calls)
         shapes = [(512, 32000, "fp32"), (2048, 8192, "bf16"), (2048, 16, "fp32")]
-    if args.tokens or args.vocab or args.dtype:
-        n, v, dtype = shapes[0]
-        shapes = [(args.tokens or n, args.vocab or v, args.dtype or dtype)]
     methods = {"eager": _eager_logprobs, "torch.compile(eager)": torch.compile(_eager_logprobs),
                "ours, torch path": functools.partial(token_logprobs, backend="torch")}
     if gpu:
@@ -970,7 +955,7 @@ def _bench(args):
             f"{'fwd+bwd ms':>10} {'MB':>8} {'GB/s':>6}")
     print(head)
     print("-" * len(head))
-    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
     for n, v, dtype in shapes:
         logits = torch.randn(n, v, device=device, dtype=dtypes[dtype]).mul_(2)  # no fp32 temporary (40 GB at the top)
         tokens = torch.randint(0, v, (n,), device=device)
@@ -1008,12 +993,8 @@ def _bench(args):
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="Benchmark of the fused log-prob kernels (the tests check them).")
-    parser.add_argument("--bench", action="store_true", help="print the benchmark table")
-    parser.add_argument("--tokens", type=int, help="benchmark only this many tokens (rows)")
-    parser.add_argument("--vocab", type=int, help="benchmark only this vocab size")
-    parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="benchmark only this logits dtype")
-    cli = parser.parse_args()
-    if cli.bench:
-        _bench(cli)
+    parser.add_argument("--bench", action="store_true", help="print the benchmark tables (the shapes are in _bench)")
+    if parser.parse_args().bench:
+        _bench()
     else:
         parser.print_help()
