@@ -1218,7 +1218,8 @@ def test_critic_free_runs_sample_groups_hold_no_critic_and_resume_to_the_same_we
     killed = run_raw([*args, "--output-dir", str(tmp_path / "part")], tmp_path, KILL_AT="3")  # in iteration 3
     assert killed.returncode == -9
     run_script(["--resume", str(tmp_path / "part")], tmp_path)
-    full, part = load_file(tmp_path / "full/policy/model.safetensors"), load_file(tmp_path / "part/policy/model.safetensors")
+    full = load_file(tmp_path / "full/policy/model.safetensors")
+    part = load_file(tmp_path / "part/policy/model.safetensors")
     assert full.keys() == part.keys() and all(torch.equal(full[k], part[k]) for k in full)
     assert not any(k.startswith("critic") for k in saved_keys(pt.checkpoints(tmp_path / "full")[-1]))
     records = [r for r in read_metrics(tmp_path / "full") if r["step"] > 0]
@@ -1501,7 +1502,8 @@ def test_resume_after_kill_ends_with_the_same_weights_as_an_uninterrupted_run(tm
         ["step-00000001", "step-00000002"]
     out = run_script(["--resume", f"{tmp_path / 'part'}/"], tmp_path)  # the flags come from the checkpoint
     assert "resumed from" in out and "step-00000002 after iteration 2/4" in out
-    full, part = load_file(tmp_path / "full/policy/model.safetensors"), load_file(tmp_path / "part/policy/model.safetensors")
+    full = load_file(tmp_path / "full/policy/model.safetensors")
+    part = load_file(tmp_path / "part/policy/model.safetensors")
     assert full.keys() == part.keys() and all(torch.equal(full[k], part[k]) for k in full)
     a, b = read_metrics(tmp_path / "full"), read_metrics(tmp_path / "part")
     assert [r["step"] for r in b] == [0, 1, 2, 3, 4]  # each iteration logged once
@@ -1531,16 +1533,19 @@ def test_a_kill_while_writing_a_checkpoint_leaves_the_previous_one_whole(tmp_pat
     out = run_script([*args, "--resume"], tmp_path)
     assert "step-00000001 after iteration 1/4" in out and "dropped 1 metrics records" in out
     assert [r["step"] for r in read_metrics(tmp_path / "run")] == [0, 1, 2, 3, 4]
-    older = pt.checkpoints(tmp_path / "run")[0]  # step 3: resuming from it sets the newer step 4 aside, never deletes it
+    # step 3: resuming from it sets the newer step 4 aside, never deletes it
+    older = pt.checkpoints(tmp_path / "run")[0]
     out = run_script(["--resume", str(older)], tmp_path)
-    assert "set aside" in out and any(p.name.startswith(".abandoned-step-00000004-") for p in (tmp_path / "run/checkpoints").iterdir())
+    assert "set aside" in out
+    assert any(p.name.startswith(".abandoned-step-00000004-") for p in (tmp_path / "run/checkpoints").iterdir())
     assert [os.path.basename(c) for c in pt.checkpoints(tmp_path / "run")] == ["step-00000003", "step-00000004"]
 
 
 def test_sigterm_after_a_save_every_checkpoint_does_not_rewrite_it(tmp_path, monkeypatch, capsys):
     (tmp_path / "term.py").write_text("import os, signal\ncalls = 0\ndef score(prompts, completions):\n"
                                       "    global calls\n    calls += 1\n    if calls == 2:\n"
-                                      "        os.kill(os.getpid(), signal.SIGTERM)\n    return [0.0] * len(completions)\n")
+                                      "        os.kill(os.getpid(), signal.SIGTERM)\n"
+                                      "    return [0.0] * len(completions)\n")
     monkeypatch.chdir(tmp_path)
     args = [a if a != "count_ones:score" else "term:score" for a in LOOP]
     cfg = pt.parse_config([*args, "--save-every", "1", "--output-dir", str(tmp_path / "run")])
@@ -1554,7 +1559,8 @@ def test_sigterm_after_a_save_every_checkpoint_does_not_rewrite_it(tmp_path, mon
 
 def test_non_finite_rewards_skip_updates_then_stop_with_the_last_good_checkpoint_intact(tmp_path):
     (tmp_path / "nan_later.py").write_text("calls = 0\ndef score(prompts, completions):\n    global calls\n"
-                                           "    calls += 1\n    return [float('nan') if calls > 2 else 0.5] * len(completions)\n")
+                                           "    calls += 1\n"
+                                           "    return [float('nan') if calls > 2 else 0.5] * len(completions)\n")
     args = [a if a != "count_ones:score" else "nan_later:score" for a in LOOP]
     proc = run_main([*args, "--steps", "6", "--save-every", "1", "--max-bad-steps", "2", "--output-dir",
                      str(tmp_path / "run")], tmp_path)
@@ -1645,7 +1651,8 @@ def test_whitening_and_the_first_update_do_not_depend_on_the_world_size(tmp_path
     torch.testing.assert_close(two["advantages"], advantages, rtol=1e-5, atol=1e-6)  # whitened over both ranks
     assert abs(float(two["advantages"][:4][two["advantages"][:4] != 0].mean())) > 1e-3  # not whitened per rank
     for key in ("pg_loss", "vf_loss", "entropy", "clipfrac", "approx_kl", "grad_norm", "critic_grad_norm"):
-        assert math.isclose(two["stats"][key], stats[key], rel_tol=1e-4, abs_tol=1e-6), (key, two["stats"][key], stats[key])
+        got, want = two["stats"][key], stats[key]
+        assert math.isclose(got, want, rel_tol=1e-4, abs_tol=1e-6), (key, got, want)
     for a, b in zip(two["weights"], weights):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
     for agg in LOSS_AGGS[1:]:  # the same step from one rank as from two, micro-batches of 2 rows on each
@@ -1692,9 +1699,8 @@ def test_torchrun_two_ranks_ddp_and_fsdp2_train_resume_and_stay_identical(tmp_pa
     ddp_policy, fsdp_policy = (AutoModelForCausalLM.from_pretrained(tmp_path / d / "policy") for d in ("ddp", "fsdp"))
     for (name, a), b in zip(ddp_policy.state_dict().items(), fsdp_policy.state_dict().values()):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, msg=name)
-    assert any(not torch.equal(a, b) for a, b in zip(ddp_policy.state_dict().values(),
-                                                     AutoModelForCausalLM.from_pretrained(
-                                                         tmp_path / "ddp/checkpoints/step-00000002/policy").state_dict().values()))
+    earlier = AutoModelForCausalLM.from_pretrained(tmp_path / "ddp/checkpoints/step-00000002/policy")
+    assert any(not torch.equal(a, b) for a, b in zip(ddp_policy.state_dict().values(), earlier.state_dict().values()))
     resumed = torchrun([args[0], "--resume", str(pt.checkpoints(tmp_path / "fsdp")[0])], tmp_path).stdout
     assert "step-00000002 after iteration 2/3" in resumed and digests(resumed) == fsdp  # the same final weights
     (tmp_path / "rank_one_fails.py").write_text("import os\ndef score(prompts, completions):\n"
@@ -1710,7 +1716,8 @@ def test_batch_sizes_are_checked_against_the_world_size(monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "4")
     with pytest.raises(SystemExit):
         pt.parse_config(["--batch-size", "24", "--minibatches", "4"])
-    assert "--batch-size 24 must be divisible by --minibatches 4 x 4 ranks (torchrun's WORLD_SIZE)" in capsys.readouterr().err
+    message = "--batch-size 24 must be divisible by --minibatches 4 x 4 ranks (torchrun's WORLD_SIZE)"
+    assert message in capsys.readouterr().err
     with pytest.raises(SystemExit):
         pt.parse_config(["--batch-size", "32", "--minibatches", "2", "--micro-batch-size", "3"])
     assert "the minibatch size per rank (--batch-size 32 / --minibatches 2 x 4 ranks" in capsys.readouterr().err
@@ -2128,7 +2135,8 @@ def test_a_script_in_this_directory_loads_a_model_with_the_hubs_kernels_package(
     """kernels.py shares its name with the Hugging Face Hub's `kernels` package, which transformers imports: a user's
     script run in this directory (where `import kernels` finds our file first) must still load a model."""
     from transformers import LlamaConfig, LlamaForCausalLM
-    config = LlamaConfig(vocab_size=16, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
+    config = LlamaConfig(vocab_size=16, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                         intermediate_size=32)
     LlamaForCausalLM(config).save_pretrained(tmp_path)
     script = f"import transformers; transformers.AutoModelForCausalLM.from_pretrained({str(tmp_path)!r})"
     run = subprocess.run([sys.executable, "-c", script], cwd=HERE, capture_output=True, text=True, timeout=300)
@@ -2194,7 +2202,8 @@ def test_cuda_save_every_then_resume_samples_the_same_next_batch(tmp_path):
     resumed = cuda_records(tmp_path / "full", 4)
     # iteration 3 samples from the checkpoint's weights with its generator states: the same tokens and rewards (later
     # updates may differ in the last bits: CUDA's backward kernels are not deterministic)
-    assert (resumed[2]["reward_mean"], resumed[2]["response_tokens"]) == (full[2]["reward_mean"], full[2]["response_tokens"])
+    for key in ("reward_mean", "response_tokens"):
+        assert resumed[2][key] == full[2][key], key
     assert abs(resumed[2]["kl"] - full[2]["kl"]) < 1e-5
 
 
