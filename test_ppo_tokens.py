@@ -2493,10 +2493,10 @@ def test_reinforce_pp_advantages_are_whitened_returns_to_go_against_a_float64_lo
     # REINFORCE++ (Hu 2025): r_t = score * [t is the last real token] - kl_coef * kl_t, G_t = sum_{k >= t}
     # gamma^(k-t) r_k, whitened over every real token of the batch (unbiased variance)
     G = {}
-    for b in range(B):
-        for t in range(lengths[b]):
-            G[b, t] = sum(gamma ** (k - t) * (-kl_coef * float(kl[b, k]) + (float(scores[b]) if k == lengths[b] - 1
-                                                                             else 0.0)) for k in range(t, lengths[b]))
+    for b, n in enumerate(lengths):
+        r = [-kl_coef * float(kl[b, k]) + (float(scores[b]) if k == n - 1 else 0.0) for k in range(n)]
+        for t in range(n):
+            G[b, t] = sum(gamma ** (k - t) * r[k] for k in range(t, n))
     mean, var = statistics.fmean(G.values()), statistics.variance(G.values())
     for b in range(B):
         for t in range(T):
@@ -2527,9 +2527,9 @@ def test_reinforce_pp_needs_no_critic_nor_groups_and_micro_batches_score_the_sam
     kl = (batch.old_logprobs - batch.ref_logprobs).double()
     G = {}
     for b, n in enumerate(lengths):
+        r = [-0.1 * float(kl[b, k]) + (float(batch.scores[b]) if k == n - 1 else 0.0) for k in range(n)]
         for t in range(n):
-            G[b, t] = sum(0.9 ** (k - t) * (-0.1 * float(kl[b, k]) + (float(batch.scores[b]) if k == n - 1 else 0.0))
-                          for k in range(t, n))
+            G[b, t] = sum(0.9 ** (k - t) * r[k] for k in range(t, n))
     mean, std = statistics.fmean(G.values()), statistics.stdev(G.values())
     want = torch.zeros_like(kl)
     for (b, t), g in G.items():
@@ -2564,14 +2564,14 @@ def test_top_entropy_mask_by_hand_the_policy_gradient_on_those_tokens_and_the_de
 def test_top_entropy_update_equals_the_full_update_with_the_other_tokens_advantages_zeroed(tokenizer):
     flags = dict(kl_in="loss", kl_estimator="k3", kl_coef=0.5)  # a KL term in the loss: over every loss token
     stats, batch, step = variant_update(tokenizer, pg_mask="top-entropy", **flags)
-    loss, pg = batch.loss_mask.bool(), batch.pg_mask
-    assert 0 < int(pg.sum()) <= math.ceil(0.2 * int(loss.sum())) and not (pg & ~loss).any()
-    assert float(batch.entropy[pg].min()) > float(batch.entropy[loss & ~pg].max())  # the highest-entropy ones
-    n = int(loss.sum())  # the first minibatch: ratio 1, values = old values; every denominator counts all loss tokens
+    in_loss, pg = batch.loss_mask.bool(), batch.pg_mask
+    assert 0 < int(pg.sum()) <= math.ceil(0.2 * int(in_loss.sum())) and not (pg & ~in_loss).any()
+    assert float(batch.entropy[pg].min()) > float(batch.entropy[in_loss & ~pg].max())  # the highest-entropy ones
+    n = int(in_loss.sum())  # the first minibatch: ratio 1, values = old values; every denominator: all loss tokens
     assert math.isclose(stats["pg_loss"], -float(batch.advantages[pg].sum()) / n, rel_tol=1e-5)
     k3 = pt.kl_estimate(batch.old_logprobs, batch.ref_logprobs, "k3")
-    assert math.isclose(stats["kl_loss"], float(k3[loss].sum()) / n, rel_tol=1e-5)
-    assert math.isclose(stats["vf_loss"], 0.5 * float(((batch.values - batch.returns)[loss] ** 2).sum()) / n,
+    assert math.isclose(stats["kl_loss"], float(k3[in_loss].sum()) / n, rel_tol=1e-5)
+    assert math.isclose(stats["vf_loss"], 0.5 * float(((batch.values - batch.returns)[in_loss] ** 2).sum()) / n,
                         rel_tol=1e-5)
 
     def only_those_tokens(b):
