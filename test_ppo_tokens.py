@@ -1220,7 +1220,8 @@ def test_critic_free_runs_sample_groups_hold_no_critic_and_resume_to_the_same_we
     killed = run_raw([*args, "--output-dir", str(tmp_path / "part")], tmp_path, KILL_AT="3")  # in iteration 3
     assert killed.returncode == -9
     run_script(["--resume", str(tmp_path / "part")], tmp_path)
-    full, part = load_file(tmp_path / "full/policy/model.safetensors"), load_file(tmp_path / "part/policy/model.safetensors")
+    full = load_file(tmp_path / "full/policy/model.safetensors")
+    part = load_file(tmp_path / "part/policy/model.safetensors")
     assert full.keys() == part.keys() and all(torch.equal(full[k], part[k]) for k in full)
     assert not any(k.startswith("critic") for k in saved_keys(pt.checkpoints(tmp_path / "full")[-1]))
     records = [r for r in read_metrics(tmp_path / "full") if r["step"] > 0]
@@ -1503,7 +1504,8 @@ def test_resume_after_kill_ends_with_the_same_weights_as_an_uninterrupted_run(tm
         ["step-00000001", "step-00000002"]
     out = run_script(["--resume", f"{tmp_path / 'part'}/"], tmp_path)  # the flags come from the checkpoint
     assert "resumed from" in out and "step-00000002 after iteration 2/4" in out
-    full, part = load_file(tmp_path / "full/policy/model.safetensors"), load_file(tmp_path / "part/policy/model.safetensors")
+    full = load_file(tmp_path / "full/policy/model.safetensors")
+    part = load_file(tmp_path / "part/policy/model.safetensors")
     assert full.keys() == part.keys() and all(torch.equal(full[k], part[k]) for k in full)
     a, b = read_metrics(tmp_path / "full"), read_metrics(tmp_path / "part")
     assert [r["step"] for r in b] == [0, 1, 2, 3, 4]  # each iteration logged once
@@ -1533,16 +1535,19 @@ def test_a_kill_while_writing_a_checkpoint_leaves_the_previous_one_whole(tmp_pat
     out = run_script([*args, "--resume"], tmp_path)
     assert "step-00000001 after iteration 1/4" in out and "dropped 1 metrics records" in out
     assert [r["step"] for r in read_metrics(tmp_path / "run")] == [0, 1, 2, 3, 4]
-    older = pt.checkpoints(tmp_path / "run")[0]  # step 3: resuming from it sets the newer step 4 aside, never deletes it
+    # step 3: resuming from it sets the newer step 4 aside, never deletes it
+    older = pt.checkpoints(tmp_path / "run")[0]
     out = run_script(["--resume", str(older)], tmp_path)
-    assert "set aside" in out and any(p.name.startswith(".abandoned-step-00000004-") for p in (tmp_path / "run/checkpoints").iterdir())
+    assert "set aside" in out
+    assert any(p.name.startswith(".abandoned-step-00000004-") for p in (tmp_path / "run/checkpoints").iterdir())
     assert [os.path.basename(c) for c in pt.checkpoints(tmp_path / "run")] == ["step-00000003", "step-00000004"]
 
 
 def test_sigterm_after_a_save_every_checkpoint_does_not_rewrite_it(tmp_path, monkeypatch, capsys):
     (tmp_path / "term.py").write_text("import os, signal\ncalls = 0\ndef score(prompts, completions):\n"
                                       "    global calls\n    calls += 1\n    if calls == 2:\n"
-                                      "        os.kill(os.getpid(), signal.SIGTERM)\n    return [0.0] * len(completions)\n")
+                                      "        os.kill(os.getpid(), signal.SIGTERM)\n"
+                                      "    return [0.0] * len(completions)\n")
     monkeypatch.chdir(tmp_path)
     args = [a if a != "count_ones:score" else "term:score" for a in LOOP]
     cfg = pt.parse_config([*args, "--save-every", "1", "--output-dir", str(tmp_path / "run")])
@@ -1556,7 +1561,8 @@ def test_sigterm_after_a_save_every_checkpoint_does_not_rewrite_it(tmp_path, mon
 
 def test_non_finite_rewards_skip_updates_then_stop_with_the_last_good_checkpoint_intact(tmp_path):
     (tmp_path / "nan_later.py").write_text("calls = 0\ndef score(prompts, completions):\n    global calls\n"
-                                           "    calls += 1\n    return [float('nan') if calls > 2 else 0.5] * len(completions)\n")
+                                           "    calls += 1\n"
+                                           "    return [float('nan') if calls > 2 else 0.5] * len(completions)\n")
     args = [a if a != "count_ones:score" else "nan_later:score" for a in LOOP]
     proc = run_main([*args, "--steps", "6", "--save-every", "1", "--max-bad-steps", "2", "--output-dir",
                      str(tmp_path / "run")], tmp_path)
@@ -1647,7 +1653,8 @@ def test_whitening_and_the_first_update_do_not_depend_on_the_world_size(tmp_path
     torch.testing.assert_close(two["advantages"], advantages, rtol=1e-5, atol=1e-6)  # whitened over both ranks
     assert abs(float(two["advantages"][:4][two["advantages"][:4] != 0].mean())) > 1e-3  # not whitened per rank
     for key in ("pg_loss", "vf_loss", "entropy", "clipfrac", "approx_kl", "grad_norm", "critic_grad_norm"):
-        assert math.isclose(two["stats"][key], stats[key], rel_tol=1e-4, abs_tol=1e-6), (key, two["stats"][key], stats[key])
+        got, want = two["stats"][key], stats[key]
+        assert math.isclose(got, want, rel_tol=1e-4, abs_tol=1e-6), (key, got, want)
     for a, b in zip(two["weights"], weights):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
     for agg in LOSS_AGGS[1:]:  # the same step from one rank as from two, micro-batches of 2 rows on each
@@ -1694,9 +1701,8 @@ def test_torchrun_two_ranks_ddp_and_fsdp2_train_resume_and_stay_identical(tmp_pa
     ddp_policy, fsdp_policy = (AutoModelForCausalLM.from_pretrained(tmp_path / d / "policy") for d in ("ddp", "fsdp"))
     for (name, a), b in zip(ddp_policy.state_dict().items(), fsdp_policy.state_dict().values()):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, msg=name)
-    assert any(not torch.equal(a, b) for a, b in zip(ddp_policy.state_dict().values(),
-                                                     AutoModelForCausalLM.from_pretrained(
-                                                         tmp_path / "ddp/checkpoints/step-00000002/policy").state_dict().values()))
+    earlier = AutoModelForCausalLM.from_pretrained(tmp_path / "ddp/checkpoints/step-00000002/policy")
+    assert any(not torch.equal(a, b) for a, b in zip(ddp_policy.state_dict().values(), earlier.state_dict().values()))
     resumed = torchrun([args[0], "--resume", str(pt.checkpoints(tmp_path / "fsdp")[0])], tmp_path).stdout
     assert "step-00000002 after iteration 2/3" in resumed and digests(resumed) == fsdp  # the same final weights
     (tmp_path / "rank_one_fails.py").write_text("import os\ndef score(prompts, completions):\n"
@@ -1712,7 +1718,8 @@ def test_batch_sizes_are_checked_against_the_world_size(monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "4")
     with pytest.raises(SystemExit):
         pt.parse_config(["--batch-size", "24", "--minibatches", "4"])
-    assert "--batch-size 24 must be divisible by --minibatches 4 x 4 ranks (torchrun's WORLD_SIZE)" in capsys.readouterr().err
+    message = "--batch-size 24 must be divisible by --minibatches 4 x 4 ranks (torchrun's WORLD_SIZE)"
+    assert message in capsys.readouterr().err
     with pytest.raises(SystemExit):
         pt.parse_config(["--batch-size", "32", "--minibatches", "2", "--micro-batch-size", "3"])
     assert "the minibatch size per rank (--batch-size 32 / --minibatches 2 x 4 ranks" in capsys.readouterr().err
@@ -2201,7 +2208,8 @@ def test_cuda_save_every_then_resume_samples_the_same_next_batch(tmp_path):
     resumed = cuda_records(tmp_path / "full", 4)
     # iteration 3 samples from the checkpoint's weights with its generator states: the same tokens and rewards (later
     # updates may differ in the last bits: CUDA's backward kernels are not deterministic)
-    assert (resumed[2]["reward_mean"], resumed[2]["response_tokens"]) == (full[2]["reward_mean"], full[2]["response_tokens"])
+    for key in ("reward_mean", "response_tokens"):
+        assert resumed[2][key] == full[2][key], key
     assert abs(resumed[2]["kl"] - full[2]["kl"]) < 1e-5
 
 
@@ -2344,6 +2352,342 @@ def test_cuda_triton_kernels_at_full_scale_against_float64(monkeypatch):
         close(ent[rows], want[1], rtol=1e-4, atol=1e-4, what=f"linear entropy rows {start}+")
         assert relative_error(d_hidden[rows], want_h) < 1e-4, start
     assert relative_error(d_weight, want_d_weight) < 1e-4
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the variant tables (POLICY_LOSSES: GSPO, CISPO; ADVANTAGES: REINFORCE++; PG_MASKS: the top-entropy tokens) against
+# float64 references from the papers, the reward interface's token-level facts, and a new entry in each table
+
+
+def variant_update(tokenizer, edit_scored=None, **cfg_overrides):
+    """One ppo_update with plain SGD (lr 1, no gradient clip: the step is the gradient) of tiny_setup's models on its
+    batch, shortened to completions of 1 to 4 tokens; a critic only for an estimator that declares one. The Config is
+    not check_config'ed: its CHOICES hold the tables' names as they were at import, so a name a test adds to a table
+    passes only here. edit_scored(batch) runs between scoring and the update. Returns (stats, batch, the policy's
+    step)."""
+    cfg = pt.Config(**{"batch_size": 8, "minibatches": 1, "ppo_epochs": 1, "response_length": 4, "max_grad_norm": 1e9,
+                       **cfg_overrides})
+    _, policy, reference, critic, batch = tiny_setup(tokenizer)
+    critic = critic if pt.ADVANTAGES[cfg.advantage].critic else None
+    shorten(batch)
+    orders = [torch.randperm(8, generator=torch.Generator().manual_seed(0)) for _ in range(cfg.ppo_epochs)]
+    score(batch, policy, reference, critic, lambda b: torch.arange(8.0), cfg, orders[0])
+    if edit_scored is not None:
+        edit_scored(batch)
+    before = [p.detach().clone() for p in policy.parameters()]
+    critic_opt = None if critic is None else torch.optim.SGD(critic.parameters(), lr=1.0)
+    stats = pt.ppo_update(policy, critic, torch.optim.SGD(policy.parameters(), lr=1.0), critic_opt, batch, cfg, orders)
+    return stats, batch, [p.detach() - b for p, b in zip(policy.parameters(), before)]
+
+
+def stale_old_logprobs(batch):  # an "old" policy that is not the current one: ratios far enough from 1 to be clipped
+    noise = torch.randn(batch.old_logprobs.shape, generator=torch.Generator().manual_seed(3))
+    batch.old_logprobs = batch.old_logprobs + 0.3 * noise
+
+
+def random_loss_inputs(seed, B=6, T=7, scale=0.4):
+    """float64 (logp (requires grad), old, adv, mask) with rows of 0..T loss tokens, and garbage on the pads (a
+    log-ratio of 60 there would overflow any sequence ratio it entered)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor([T, 1, 4, 0, 6, 3][:B])
+    mask = (torch.arange(T)[None] < lengths[:, None]).long()
+    old = torch.randn(B, T, dtype=torch.float64, generator=g) - 2
+    logp = old + scale * torch.randn(B, T, dtype=torch.float64, generator=g)
+    logp = torch.where(mask.bool(), logp, 30.0).requires_grad_()
+    old = torch.where(mask.bool(), old, -30.0)
+    return logp, old, torch.randn(B, T, dtype=torch.float64, generator=g), mask
+
+
+@pytest.mark.parametrize("eps,eps_high", [(0.2, 0.0), (0.05, 0.1), (3e-4, 4e-4)])  # the last: GSPO's clip ranges
+def test_gspo_loss_and_gradient_against_a_float64_sequence_ratio_reference(eps, eps_high):
+    logp, old, adv, mask = random_loss_inputs(seed=4)
+    high = eps_high or eps
+    loss, stats = objective(logp, old, adv, mask, policy_loss="gspo", clip_range=eps, clip_range_high=eps_high)
+    # GSPO-token (Zheng et al. 2025), term by term: s_i = exp(mean over the row's loss tokens of logp - old_logp),
+    # s_it = sg(s_i) pi_it / sg(pi_it) (the value s_i, the gradient s_i * grad logp_it), and the loss
+    # -mean_it min(s_it A_it, clip(s_it, 1 - eps, 1 + eps_high) A_it); where the clipped term is the smaller one it is
+    # a constant (no gradient)
+    terms, clipped = [], []
+    for b in range(mask.shape[0]):
+        tokens = [t for t in range(mask.shape[1]) if mask[b, t]]
+        s = math.exp(sum(float(logp[b, t].detach() - old[b, t]) for t in tokens) / max(1, len(tokens)))
+        for t in tokens:
+            a = float(adv[b, t])
+            s_clipped = min(max(s, 1 - eps), 1 + high)
+            clipped.append(s_clipped * a < s * a)
+            s_t = s * torch.exp(logp[b, t] - logp[b, t].detach())
+            terms.append(torch.tensor(s_clipped * a, dtype=torch.float64) if clipped[-1] else s_t * a)
+    expected = -sum(terms) / len(terms)
+    assert abs(float(loss.detach()) - float(expected.detach())) < 1e-12
+    assert abs(float(stats["clipfrac"]) - sum(clipped) / len(clipped)) < 1e-12 and 0 < sum(clipped) < len(clipped)
+    (grad,) = torch.autograd.grad(loss, logp)
+    (expected_grad,) = torch.autograd.grad(expected, logp)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-12, atol=1e-15)
+    assert (grad[~mask.bool()] == 0).all() and (grad[mask.bool()] != 0).any()
+    # with one advantage per sequence and the paper's normalisation 1/G sum_i 1/|y_i| sum_t (--loss-agg
+    # seq-mean-token-mean), GSPO-token is GSPO: the value and the gradient of the sequence objective
+    # -1/G sum_i min(s_i A_i, clip(s_i, 1 - eps, 1 + eps_high) A_i), with s_i differentiated as a whole
+    seq_adv = adv[:, :1].expand_as(adv)
+    cfg = pt.Config(loss_agg="seq-mean-token-mean", policy_loss="gspo", clip_range=eps, clip_range_high=eps_high)
+    tokens, denominators, row_weight, _ = pt.loss_denominators(SimpleNamespace(loss_mask=mask),
+                                                               [torch.arange(len(mask))], cfg)
+    share = pt.Share(tokens[0], denominators[0], row_weight[:, None])
+    loss, _ = objective(logp, old, seq_adv, mask, share, policy_loss="gspo", clip_range=eps, clip_range_high=eps_high,
+                        loss_agg="seq-mean-token-mean")
+    sequences = []
+    for b in range(mask.shape[0]):
+        tokens = [t for t in range(mask.shape[1]) if mask[b, t]]
+        if tokens:
+            s = torch.exp(sum(logp[b, t] - old[b, t] for t in tokens) / len(tokens))
+            a, s_clipped = float(adv[b, 0]), min(max(float(s.detach()), 1 - eps), 1 + high)
+            unclipped = s_clipped * a >= float(s.detach()) * a
+            sequences.append(s * a if unclipped else torch.tensor(s_clipped * a, dtype=torch.float64))
+    expected = -sum(sequences) / len(sequences)
+    # (to float32 precision: loss_denominators' row weights 1 / |y_i| are float32)
+    assert math.isclose(float(loss.detach()), float(expected.detach()), rel_tol=1e-7)
+    torch.testing.assert_close(torch.autograd.grad(loss, logp)[0], torch.autograd.grad(expected, logp)[0],
+                               rtol=1e-7, atol=1e-12)
+
+
+@pytest.mark.parametrize("eps_high", [0.0, 0.28])
+def test_cispo_loss_and_gradient_against_a_float64_reference(eps_high):
+    logp, old, adv, mask = random_loss_inputs(seed=5)
+    eps = 0.2
+    high = eps_high or eps
+    loss, stats = objective(logp, old, adv, mask, policy_loss="cispo", clip_range=eps, clip_range_high=eps_high)
+    # CISPO (MiniMax-M1, 2025): -1/sum|o_i| sum_it sg(clip(r_it, 1 - eps_low, 1 + eps_high)) A_it log pi_it, its
+    # gradient -w_it A_it grad logp_it / N on every loss token, the clipped ones too (PPO's clip drops theirs)
+    n, x = int(mask.sum()), logp.detach()
+    terms, expected_grad, clipped = [], torch.zeros_like(adv), []
+    for b, t in mask.nonzero().tolist():
+        r = math.exp(float(x[b, t] - old[b, t]))
+        w = min(max(r, 1 - eps), 1 + high)
+        clipped.append(w != r)
+        terms.append(-w * float(adv[b, t]) * float(x[b, t]))
+        expected_grad[b, t] = -w * float(adv[b, t]) / n
+    assert abs(float(loss.detach()) - sum(terms) / n) < 1e-12
+    assert abs(float(stats["clipfrac"]) - sum(clipped) / n) < 1e-12 and 0 < sum(clipped) < n
+    (grad,) = torch.autograd.grad(loss, logp)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-12, atol=1e-15)
+    assert (grad[mask.bool()] != 0).all()  # no token loses its gradient ...
+    ppo, _ = objective(logp, old, adv, mask, clip_range=eps, clip_range_high=eps_high)
+    assert (torch.autograd.grad(ppo, logp)[0][mask.bool()] == 0).any()  # ... where PPO's clip does drop some
+
+
+@pytest.mark.parametrize("policy_loss", ["gspo", "cispo"])
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_gspo_and_cispo_updates_are_the_same_however_the_minibatch_is_split(tokenizer, policy_loss, agg):
+    runs = [variant_update(tokenizer, stale_old_logprobs, policy_loss=policy_loss, loss_agg=agg, micro_batch_size=m,
+                           clip_range=0.1) for m in (0, 4, 2)]  # one micro-batch, two, four
+    (stats, _, whole), *splits = runs
+    assert 0 < stats["clipfrac"] < 1 and max(float(s.abs().max()) for s in whole) > 1e-4
+    for split_stats, _, step in splits:
+        for a, b in zip(whole, step):
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
+        for key in ("pg_loss", "clipfrac", "vf_loss"):
+            assert math.isclose(split_stats[key], stats[key], rel_tol=1e-5, abs_tol=1e-7), key
+    _, _, ppo = variant_update(tokenizer, stale_old_logprobs, loss_agg=agg, clip_range=0.1)
+    assert not all(torch.allclose(a, b) for a, b in zip(ppo, whole))  # the table's loss was the one used
+
+
+def test_reinforce_pp_advantages_are_whitened_returns_to_go_against_a_float64_loop():
+    g = torch.Generator().manual_seed(6)
+    B, T, gamma, kl_coef = 5, 7, 0.9, 0.05
+    lengths = [7, 1, 4, 6, 2]
+    mask = (torch.arange(T)[None] < torch.tensor(lengths)[:, None]).long()
+    scores = torch.randn(B, dtype=torch.float64, generator=g)
+    kl = torch.where(mask.bool(), torch.randn(B, T, dtype=torch.float64, generator=g), 1e6)  # garbage on pads
+    batch = SimpleNamespace(rewards=pt.per_token_rewards(scores, kl, mask, kl_coef), response_mask=mask)
+    advantages, returns = pt.ADVANTAGES["reinforce++"].fn(batch, pt.Config(advantage="reinforce++", gamma=gamma))
+    # REINFORCE++ (Hu 2025): r_t = score * [t is the last real token] - kl_coef * kl_t, G_t = sum_{k >= t}
+    # gamma^(k-t) r_k, whitened over every real token of the batch (unbiased variance)
+    G = {}
+    for b, n in enumerate(lengths):
+        r = [-kl_coef * float(kl[b, k]) + (float(scores[b]) if k == n - 1 else 0.0) for k in range(n)]
+        for t in range(n):
+            G[b, t] = sum(gamma ** (k - t) * r[k] for k in range(t, n))
+    mean, var = statistics.fmean(G.values()), statistics.variance(G.values())
+    for b in range(B):
+        for t in range(T):
+            want = (G[b, t] - mean) / math.sqrt(var + 1e-8) if t < lengths[b] else 0.0
+            assert abs(float(advantages[b, t]) - want) < 1e-12, (b, t)
+    assert returns is None
+
+
+def test_reinforce_pp_needs_no_critic_nor_groups_and_micro_batches_score_the_same(tokenizer, tmp_path):
+    estimator = pt.ADVANTAGES["reinforce++"]
+    assert not estimator.critic and not estimator.groups and estimator.kl_in == "reward"
+    cfg = pt.parse_config(["--advantage", "reinforce++", "--samples-per-prompt", "1"])  # accepted: no groups needed
+    assert cfg.kl_in == "reward" and cfg.kl_estimator == "k1" and not cfg.drop_flat_groups and cfg.ppo_epochs == 1
+    run = pt.setup(pt.Config(advantage="reinforce++", demo_warmup_max_steps=0, demo_cache=str(tmp_path), eval_size=40,
+                             device="cpu"))
+    assert run.critic is None  # setup built no critic
+    results = [variant_update(tokenizer, advantage="reinforce++", kl_coef=0.1, gamma=0.9, micro_batch_size=m)
+               for m in (0, 2)]
+    (stats, batch, whole), (split_stats, split_batch, split) = results
+    assert "vf_loss" not in stats and batch.returns is None
+    torch.testing.assert_close(split_batch.advantages, batch.advantages, rtol=1e-5, atol=1e-6)
+    for a, b in zip(whole, split):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
+    assert math.isclose(split_stats["pg_loss"], stats["pg_loss"], rel_tol=1e-5, abs_tol=1e-7)
+    # the scored batch against a float64 loop: the score on the last real token, -0.1 * k1 on each, returns-to-go
+    # (gamma 0.9), whitened over the whole batch's real tokens
+    lengths = batch.response_mask.sum(1).tolist()
+    kl = (batch.old_logprobs - batch.ref_logprobs).double()
+    G = {}
+    for b, n in enumerate(lengths):
+        r = [-0.1 * float(kl[b, k]) + (float(batch.scores[b]) if k == n - 1 else 0.0) for k in range(n)]
+        for t in range(n):
+            G[b, t] = sum(0.9 ** (k - t) * r[k] for k in range(t, n))
+    mean, std = statistics.fmean(G.values()), statistics.stdev(G.values())
+    want = torch.zeros_like(kl)
+    for (b, t), g in G.items():
+        want[b, t] = (g - mean) / std
+    torch.testing.assert_close(batch.advantages.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_top_entropy_mask_by_hand_the_policy_gradient_on_those_tokens_and_the_denominators_on_all():
+    loss_mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]])  # 10 loss tokens; the pads' entropy is the
+    entropy = torch.tensor([[0.3, 0.9, 0.1, 0.5, 0.7, 0.2], [1.0, 0.4, 0.6, 0.8, 9.0, 9.0]])  # highest, not counted
+    batch = SimpleNamespace(loss_mask=loss_mask, entropy=entropy)
+    pg_mask = pt.PG_MASKS["top-entropy"](batch, pt.Config(pg_mask="top-entropy"))
+    # the top 20% of 0.1, 0.2, ..., 1.0: above their 0.8-quantile 0.82 (linear interpolation), so 0.9 and 1.0
+    assert pg_mask.tolist() == [[False, True, False, False, False, False], [True, False, False, False, False, False]]
+    assert torch.equal(pt.PG_MASKS["all"](batch, pt.Config()), loss_mask.bool())
+    empty = SimpleNamespace(loss_mask=torch.zeros(2, 6, dtype=torch.long), entropy=entropy)
+    assert not pt.top_entropy_tokens(empty, pt.Config()).any()  # (no loss token: no quantile to take)
+    g = torch.Generator().manual_seed(7)
+    old = torch.randn(2, 6, dtype=torch.float64, generator=g)
+    logp = (old + 0.05 * torch.randn(2, 6, dtype=torch.float64, generator=g)).requires_grad_()
+    adv = torch.randn(2, 6, dtype=torch.float64, generator=g)
+    loss, stats = objective(logp, old, adv, loss_mask, pt.Share(10, 10), pg_mask=pg_mask)  # the update's denominators
+    r = torch.exp(logp.detach() - old)  # (all within the clip range)
+    assert abs(float(loss.detach()) - float(-(r[0, 1] * adv[0, 1] + r[1, 0] * adv[1, 0]) / 10)) < 1e-12
+    expected_grad = torch.zeros_like(adv)
+    expected_grad[0, 1], expected_grad[1, 0] = -r[0, 1] * adv[0, 1] / 10, -r[1, 0] * adv[1, 0] / 10
+    torch.testing.assert_close(torch.autograd.grad(loss, logp)[0], expected_grad, rtol=1e-12, atol=1e-15)
+    kls = [float(x - 1 - math.log(x)) for x in r[loss_mask.bool()]]  # the statistics: every loss token
+    assert abs(float(stats["approx_kl"]) - sum(kls) / 10) < 1e-12
+
+
+def test_top_entropy_update_equals_the_full_update_with_the_other_tokens_advantages_zeroed(tokenizer):
+    flags = dict(kl_in="loss", kl_estimator="k3", kl_coef=0.5)  # a KL term in the loss: over every loss token
+    stats, batch, step = variant_update(tokenizer, pg_mask="top-entropy", **flags)
+    in_loss, pg = batch.loss_mask.bool(), batch.pg_mask
+    assert 0 < int(pg.sum()) <= math.ceil(0.2 * int(in_loss.sum())) and not (pg & ~in_loss).any()
+    assert float(batch.entropy[pg].min()) > float(batch.entropy[in_loss & ~pg].max())  # the highest-entropy ones
+    n = int(in_loss.sum())  # the first minibatch: ratio 1, values = old values; every denominator: all loss tokens
+    assert math.isclose(stats["pg_loss"], -float(batch.advantages[pg].sum()) / n, rel_tol=1e-5)
+    k3 = pt.kl_estimate(batch.old_logprobs, batch.ref_logprobs, "k3")
+    assert math.isclose(stats["kl_loss"], float(k3[in_loss].sum()) / n, rel_tol=1e-5)
+    assert math.isclose(stats["vf_loss"], 0.5 * float(((batch.values - batch.returns)[in_loss] ** 2).sum()) / n,
+                        rel_tol=1e-5)
+
+    def only_those_tokens(b):
+        b.advantages = torch.where(pg, b.advantages, 0.0)
+
+    all_stats, _, all_step = variant_update(tokenizer, only_those_tokens, **flags)
+    for a, b in zip(all_step, step):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+    assert math.isclose(all_stats["vf_loss"], stats["vf_loss"], rel_tol=1e-6)
+
+
+def test_reward_functions_get_the_token_facts_they_name_and_the_demo_reward_is_one(tokenizer, tmp_path, monkeypatch):
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    digit = {str(d): tokenizer.convert_tokens_to_ids(str(d)) for d in range(10)}
+    rows = [["3", eos, pad], ["3", "3", "3"], ["5", eos, pad], ["1", "0", eos]]  # the second hit the length limit
+    response = torch.tensor([[digit.get(x, x) for x in row] for row in rows])
+    batch = pt.Rollout(None, None, response, (response != pad).long(), None, None,
+                       torch.tensor([True, False, True, True]), prompts=["1+2=", "100+233=", "2+2=", "5+5="])
+    batch.completions = pt.decode_completions(tokenizer, batch)
+    assert batch.completions == ["3", "333", "5", "10"]
+    ids = [[digit["3"]], [digit["3"]] * 3, [digit["5"]], [digit["1"], digit["0"]]]  # the stop token excluded
+    seen = {}
+
+    def named(prompts, completions, completion_ids, ended):
+        seen["named"] = dict(completion_ids=completion_ids, ended=ended)
+        return [1.0] * len(completions)
+
+    def only_ended(prompts, completions, ended):
+        seen["only_ended"] = dict(ended=ended)
+        return [2.0] * len(completions)
+
+    def any_facts(prompts, completions, **facts):
+        seen["any_facts"] = facts
+        return [3.0] * len(completions)
+
+    def plain(prompts, completions):
+        seen["plain"] = dict(prompts=prompts, completions=completions)
+        return [float(len(c)) for c in completions]
+
+    for rule in (named, only_ended, any_facts, plain):
+        assert pt.rule_scores(rule, batch).dtype == torch.float32
+    facts = dict(completion_ids=ids, ended=[True, False, True, True])
+    assert seen["named"] == facts and seen["any_facts"] == facts and seen["only_ended"] == dict(ended=facts["ended"])
+    assert seen["plain"] == dict(prompts=batch.prompts, completions=batch.completions)
+    assert pt.rule_scores(plain, batch).tolist() == [1.0, 3.0, 1.0, 2.0]
+    # the demo's reward is a --reward function like these: "333" is the sum of 100 + 233, but without its stop token
+    assert pt.rule_scores(pt.addition_reward, batch).tolist() == [1.0, 0.0, 0.0, 1.0]
+    (tmp_path / "facts.py").write_text("def score(prompts, completions, **facts):\n"
+                                       "    pairs = zip(facts['completion_ids'], facts['ended'])\n"
+                                       "    return [len(ids) + ended for ids, ended in pairs]\n")
+    monkeypatch.chdir(tmp_path)
+    demo, user = (pt.setup(pt.Config(reward=reward, demo_warmup_max_steps=0, demo_cache=str(tmp_path), eval_size=40,
+                                     device="cpu")) for reward in ("", "facts:score"))  # setup's reward_fn
+    assert demo.reward_fn.func is pt.rule_scores and demo.reward_fn.args == (pt.addition_reward,)
+    assert demo.reward_fn(batch).tolist() == [1.0, 0.0, 0.0, 1.0]
+    assert user.reward_fn.func is pt.rule_scores and user.reward_fn(batch).tolist() == [2.0, 3.0, 2.0, 3.0]
+
+
+def test_a_new_loss_estimator_and_mask_are_one_function_and_one_table_entry_each(tokenizer, monkeypatch, tmp_path):
+    calls = []
+
+    def doubled_ppo(logprobs, mb, cfg):  # a new policy loss: twice PPO's
+        calls.append("loss")
+        token_loss, stats = pt.ppo_loss(logprobs, mb, cfg)
+        return 2 * token_loss, stats
+
+    def ones(batch, cfg):  # a new estimator: every real token's advantage is 1, no critic
+        calls.append("advantages")
+        return batch.response_mask.to(batch.rewards.dtype), None
+
+    def first_tokens(batch, cfg):  # a new mask: only each completion's first token gets the policy gradient
+        calls.append("mask")
+        return batch.loss_mask.bool() & (torch.arange(batch.loss_mask.shape[1]) == 0)
+
+    monkeypatch.setitem(pt.POLICY_LOSSES, "doubled", doubled_ppo)
+    monkeypatch.setitem(pt.ADVANTAGES, "ones", pt.Estimator(ones, critic=False, groups=False, kl_in="loss"))
+    monkeypatch.setitem(pt.PG_MASKS, "first", first_tokens)
+    cfg = pt.Config(advantage="ones")  # the entry's declarations set the defaults: no critic, the KL in the loss
+    assert (cfg.kl_in, cfg.kl_estimator, cfg.ppo_epochs, cfg.steps) == ("loss", "k3", 1, 800)
+    new = dict(policy_loss="doubled", advantage="ones", pg_mask="first")
+    stats, batch, step = variant_update(tokenizer, **new)
+    assert calls == ["advantages", "mask", "loss"] and batch.returns is None and "vf_loss" not in stats
+    first = torch.zeros_like(batch.loss_mask, dtype=torch.bool)
+    first[:, 0] = True
+    assert torch.equal(batch.pg_mask, first) and torch.equal(batch.advantages, batch.response_mask.float())
+    n = int(batch.loss_mask.sum())  # the first minibatch: ratio 1, so -2 * A on 8 first tokens, over all loss tokens
+    assert math.isclose(stats["pg_loss"], -2 * 8 / n, rel_tol=1e-6) and stats["kl_loss"] > 0
+
+    def doubled_advantages_on_first_tokens(b):
+        b.advantages = 2.0 * first
+
+    # the same step from the built-in entries, the advantages set to what the new entries amount to
+    _, _, built_in = variant_update(tokenizer, doubled_advantages_on_first_tokens, advantage="reinforce++",
+                                    kl_in="loss", kl_estimator="k3")
+    for a, b in zip(built_in, step):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+    assert max(float(s.abs().max()) for s in step) > 1e-4
+    # and a real iteration of train() through all three (the Config in-process: --policy-loss doubled would be refused
+    # by check_config, whose CHOICES were built from the tables at import)
+    calls.clear()
+    cfg = pt.Config(**new, steps=1, batch_size=8, minibatches=1, response_length=4, eval_size=40, sample_every=0,
+                    demo_warmup_max_steps=0, demo_cache=str(tmp_path), device="cpu")
+    run = pt.setup(cfg)
+    assert run.critic is None
+    os.makedirs(tmp_path / "run")
+    (record,) = pt.train(cfg, run, str(tmp_path / "run"), threaded=False)
+    assert calls == ["advantages", "mask", "loss"] and "vf_loss" not in record and record["kl_loss"] >= 0
 
 
 if __name__ == "__main__":  # torchrun test_ppo_tokens.py OUT: the two-rank half of
