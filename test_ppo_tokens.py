@@ -2361,9 +2361,8 @@ def test_cuda_triton_kernels_at_full_scale_against_float64(monkeypatch):
 
 def variant_update(tokenizer, edit_scored=None, **cfg_overrides):
     """One ppo_update with plain SGD (lr 1, no gradient clip: the step is the gradient) of tiny_setup's models on its
-    batch, shortened to completions of 1 to 4 tokens; a critic only for an estimator that declares one. The Config is
-    not check_config'ed: its CHOICES hold the tables' names as they were at import, so a name a test adds to a table
-    passes only here. edit_scored(batch) runs between scoring and the update. Returns (stats, batch, the policy's
+    batch, shortened to completions of 1 to 4 tokens; a critic only for an estimator that declares one.
+    edit_scored(batch) runs between scoring and the update. Returns (stats, batch, the policy's
     step)."""
     cfg = pt.Config(**{"batch_size": 8, "minibatches": 1, "ppo_epochs": 1, "response_length": 4, "max_grad_norm": 1e9,
                        **cfg_overrides})
@@ -2678,11 +2677,12 @@ def test_a_new_loss_estimator_and_mask_are_one_function_and_one_table_entry_each
     for a, b in zip(built_in, step):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
     assert max(float(s.abs().max()) for s in step) > 1e-4
-    # and a real iteration of train() through all three (the Config in-process: --policy-loss doubled would be refused
-    # by check_config, whose CHOICES were built from the tables at import)
+    # and a real iteration of train() through all three, chosen on the command line (the choices are the tables)
     calls.clear()
-    cfg = pt.Config(**new, steps=1, batch_size=8, minibatches=1, response_length=4, eval_size=40, sample_every=0,
-                    demo_warmup_max_steps=0, demo_cache=str(tmp_path), device="cpu")
+    cfg = pt.parse_config(["--policy-loss", "doubled", "--advantage", "ones", "--pg-mask", "first", "--steps", "1",
+                           "--batch-size", "8", "--minibatches", "1", "--response-length", "4", "--eval-size", "40",
+                           "--sample-every", "0", "--demo-warmup-max-steps", "0", "--demo-cache", str(tmp_path),
+                           "--device", "cpu"])
     run = pt.setup(cfg)
     assert run.critic is None
     os.makedirs(tmp_path / "run")
