@@ -541,7 +541,9 @@ def top_entropy_tokens(batch: Rollout, cfg: Config, fraction=0.2):
     mask = batch.loss_mask.bool()
     if not mask.any():
         return mask
-    return mask & (batch.entropy >= torch.quantile(batch.entropy[mask].float(), 1 - fraction))
+    entropy = batch.entropy[mask]
+    k = math.ceil(round(fraction * len(entropy), 6))  # (topk, not torch.quantile, which refuses over 2^24 tokens)
+    return mask & (batch.entropy >= entropy.topk(k).values[-1])
 
 
 PG_MASKS = {"all": all_loss_tokens, "top-entropy": top_entropy_tokens}
@@ -1602,6 +1604,8 @@ class Training:
             self.producer.close()
         if self.tracer.profiler is not None:  # the trace of what the profiler's schedule recorded so far
             self.tracer.profiler.stop()
+            if not os.path.exists(self.cfg.trace):  # (the schedule writes it once iteration 3 is done)
+                print(f"--trace: no trace written to {self.cfg.trace}: the run ended before iteration 3")
         self.logger.close()
 
 
@@ -1915,15 +1919,20 @@ def find_checkpoint(path: str) -> str:  # --resume PATH: a checkpoint directory,
 
 def checkpoint_state(actor, critic, optimizers, schedules, ctx: Dist, sampler_rng, shuffle_generator, **loop) -> dict:
     """What a checkpoint holds, as DCP saves it and (into placeholders of the same shapes) loads it in place: the state
-    dicts (sharded under FSDP2), loop (step, ...) and this rank's RNG states under its own key."""
+    dicts (sharded under FSDP2), and under this rank's own key its RNG states and loop (step, ...; DCP keeps one copy
+    of a key that every rank saves, not necessarily rank 0's, and only rank 0 evaluates the demo)."""
     from torch.distributed.checkpoint import state_dict as dcp_state
     rngs = {"sampler_rng": sampler_rng, "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
-    state = {**loop, "schedules": [s.state_dict() for s in schedules], "shuffle_rng": shuffle_generator.get_state(),
-             f"rank{ctx.rank}": rngs}
+    state = {"schedules": [s.state_dict() for s in schedules], "shuffle_rng": shuffle_generator.get_state(),
+             f"rank{ctx.rank}": {**rngs, **loop}}
     for name, model, optimizer in zip(("actor", "critic"), (actor, critic), optimizers):
         if model is not None:  # (an estimator without a critic: none)
+            fresh = not optimizer.state  # no step yet: get_state_dict makes a state (AdamW's step 1), taken back here
             state[name], state[f"{name}_optimizer"] = dcp_state.get_state_dict(model, optimizer)
+            state[f"{name}_fresh"] = fresh
+            if fresh:
+                optimizer.state.clear()
     return state
 
 
@@ -1948,6 +1957,8 @@ def load_checkpoint(path: str, actor, critic, optimizers, schedules, ctx: Dist =
         if model is not None:
             dcp_state.set_state_dict(model, optimizer, model_state_dict=state[name],
                                      optim_state_dict=state[f"{name}_optimizer"])
+            if state[f"{name}_fresh"]:  # saved before its first step: it starts at step 1, as the run it continues
+                optimizer.state.clear()
     for schedule, saved in zip(schedules, state["schedules"]):
         schedule.load_state_dict(saved)
     mine = state[f"rank{ctx.rank}"]

@@ -1516,6 +1516,28 @@ def test_resume_after_kill_ends_with_the_same_weights_as_an_uninterrupted_run(tm
     assert refused.returncode == 1 and "already holds a run" in refused.stderr and "--resume" in refused.stderr
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_checkpoint_before_the_first_optimizer_step_keeps_adam_unstepped_and_the_loop_state_per_rank(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    state = pt.checkpoint_state(model, None, (optimizer, None), [], pt.Dist(), torch.Generator().get_state(),
+                                torch.Generator(), step=0, first_accuracy=0.5, time_s=1.0)
+    assert not optimizer.state  # get_state_dict's made-up state (AdamW's step 1) is taken back
+    assert state["rank0"]["first_accuracy"] == 0.5 and "first_accuracy" not in state  # only rank 0 evaluates
+    dcp.save(state, checkpoint_id=tmp_path / "step-00000000")
+    fresh = torch.nn.Linear(3, 2)
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters())
+    loop = pt.load_checkpoint(str(tmp_path / "step-00000000"), fresh, None, (fresh_optimizer, None), [])
+    assert not fresh_optimizer.state and torch.equal(fresh.weight, model.weight)
+    assert (loop["step"], loop["first_accuracy"], loop["time_s"]) == (0, 0.5, 1.0)
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()  # after a step the checkpoint holds the real state
+    pt.checkpoint_state(model, None, (optimizer, None), [], pt.Dist(), torch.Generator().get_state(),
+                        torch.Generator(), step=1, first_accuracy=0.5, time_s=1.0)
+    assert int(optimizer.state[model.weight]["step"]) == 1
+
+
 @slow
 def test_a_kill_while_writing_a_checkpoint_leaves_the_previous_one_whole(tmp_path):
     write_reward_module(tmp_path)
