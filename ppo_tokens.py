@@ -537,11 +537,15 @@ def all_loss_tokens(batch: Rollout, cfg: Config):
 
 def top_entropy_tokens(batch: Rollout, cfg: Config, fraction=0.2):
     """Only the 20% highest-entropy loss tokens (the "forking" tokens; Wang et al. 2025, "Beyond the 80/20 rule"), by
-    the proximal policy's entropy over this rank's batch."""
+    the proximal policy's entropy over the whole batch (all ranks')."""
     mask = batch.loss_mask.bool()
     if not mask.any():
         return mask
     entropy = batch.entropy[mask]
+    if torch.distributed.is_initialized():  # every rank's tokens: the cut does not depend on the world size
+        parts = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(parts, entropy.cpu())
+        entropy = torch.cat(parts).to(mask.device)
     k = math.ceil(round(fraction * len(entropy), 6))  # (topk, not torch.quantile, which refuses over 2^24 tokens)
     return mask & (batch.entropy >= entropy.topk(k).values[-1])
 

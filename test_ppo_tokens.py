@@ -1631,12 +1631,13 @@ def digests(out):  # the per-rank checksums of the actor weights digest_script p
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
-def first_iteration(world: int, rank: int, loss_agg="token-mean"):
+def first_iteration(world: int, rank: int, loss_agg="token-mean", pg_mask="all"):
     """One scoring pass and one PPO update (SGD, 1 minibatch of 2-row micro-batches) on this rank's share of a fixed
     batch of 8 rollouts, with DDP under torchrun. Returns (all-rank advantages, reduced stats, actor weights).
     The sequence-mean --loss-agg modes get completions of unequal lengths."""
     tokenizer, cfg = pt.build_demo_tokenizer(), pt.Config(batch_size=8, minibatches=1, ppo_epochs=1, response_length=4,
-                                                          micro_batch_size=2, whiten_scores=True, loss_agg=loss_agg)
+                                                          micro_batch_size=2, whiten_scores=True, loss_agg=loss_agg,
+                                                          pg_mask=pg_mask)
     policy = tiny_llama(len(tokenizer), seed=4, dtype=torch.float32)
     reference = tiny_llama(len(tokenizer), seed=5, dtype=torch.float32).requires_grad_(False)
     texts = [f"{a}+{b}=" for a, b in [(1, 2), (37, 45), (9, 90), (5, 5), (12, 3), (0, 0), (99, 99), (50, 7)]]
@@ -1685,6 +1686,9 @@ def test_whitening_and_the_first_update_do_not_depend_on_the_world_size(tmp_path
         assert math.isclose(two["stats"]["pg_loss"], stats["pg_loss"], rel_tol=1e-4, abs_tol=1e-6), agg
         for a, b in zip(two["weights"], weights):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    weights = first_iteration(1, 0, pg_mask="top-entropy")[2]  # the 20% cut over both ranks' tokens, not each one's
+    for a, b in zip(torch.load(tmp_path / "world2.pt")["top-entropy"]["weights"], weights):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
 @slow
@@ -2719,6 +2723,8 @@ if __name__ == "__main__":  # torchrun test_ppo_tokens.py OUT: the two-rank half
     for agg in LOSS_AGGS:
         advantages, stats, weights = first_iteration(ctx.world, ctx.rank, agg)
         results[agg] = {"advantages": advantages, "stats": stats, "weights": weights}
+    weights = first_iteration(ctx.world, ctx.rank, pg_mask="top-entropy")[2]
+    results["top-entropy"] = {"weights": weights}
     results["global_means"] = pt.global_masked_means([unequal_shares(ctx.rank)])
     if ctx.rank == 0:
         torch.save(results, sys.argv[1])
