@@ -848,7 +848,10 @@ def train(cfg: Config, run, output_dir: str, threaded=None, ctx: Dist = Dist()):
     t = start_training(cfg, run, output_dir, threaded, ctx)  # sampler copy, trained models, optimizers, a resume
     device = run.policy.device
     with StopSignal() as stop, contextlib.closing(t):
-        evaluate_before(t)
+        if run.eval_ids is not None and not cfg.resume and ctx.rank == 0:  # the demo's accuracy before PPO
+            t.first_accuracy = evaluate(t.evaluator, run.tokenizer, run.eval_ids, run.eval_texts, cfg, cfg.seed + 2)
+            t.logger.log({"step": 0, "eval_accuracy": t.first_accuracy, "time_s": 0.0})
+            print(f"held-out sampled accuracy before PPO: {t.first_accuracy:.3f}")
         t.producer = Producer(functools.partial(make_batch, t), t.sync, t.tracer, cfg.max_staleness, t.start,
                               cfg.steps, t.threaded)
         t.start_clock()
@@ -862,7 +865,11 @@ def train(cfg: Config, run, output_dir: str, threaded=None, ctx: Dist = Dist()):
                 kl = score_trainer(batch, t.actor, t.critic, cfg, shuffle[0], version=step - 1)
                 for model in (t.actor, t.critic):  # FSDP2: a no-grad forward leaves the root's weights gathered
                     getattr(model, "reshard", lambda: None)()
-                problem = nonfinite_on_any_rank(batch, t)  # the non-finite guard
+                problem = nonfinite(batch)  # the non-finite guard, decided by all ranks together
+                if any_rank(problem is not None, device) and torch.distributed.is_initialized():
+                    problems = [None] * ctx.world
+                    torch.distributed.all_gather_object(problems, problem)
+                    problem = "; ".join(f"rank {r}: {p}" for r, p in enumerate(problems) if p)
             # 3. the PPO update: --ppo-epochs x --minibatches clipped steps of the policy and the critic
             with t.tracer.span("update", "trainer"):
                 update_start = time.time()
@@ -876,16 +883,29 @@ def train(cfg: Config, run, output_dir: str, threaded=None, ctx: Dist = Dist()):
             with t.tracer.span("publish weights", "trainer"):
                 t.sync.publish(step)
                 sync_ms = t.sync.sync_ms()
-            # 5. log the iteration (or count a skipped update), evaluate, checkpoint
-            if problem is not None:
-                skip_update(t, step, problem)
-            else:
+            # 5. log the iteration, evaluate, checkpoint; or skip the update (the weights stay finite) and count it
+            if problem is None:
                 log_iteration(t, step, batch, kl, stats, lr, update_s, sync_ms)
                 if cfg.save_every and (step % cfg.save_every == 0 or step == cfg.steps):
                     save_training(t, step, batch)
+            else:
+                t.bad_steps += 1
+                t.logger.log({"step": step, "skipped_update": f"non-finite {problem}",
+                              "time_s": time.time() - t.run_start})
+                print(f"it {step:>4}/{cfg.steps} | update skipped: non-finite {problem} | "
+                      f"{t.bad_steps}/{cfg.max_bad_steps} in a row", flush=True)
+                if t.bad_steps >= cfg.max_bad_steps:
+                    raise SystemExit(f"stopping: {t.bad_steps} consecutive updates skipped for non-finite values "
+                                     f"(last: {problem}); the last good checkpoint is "
+                                     f"{t.last_checkpoint or 'none (--save-every 0)'}")
             # 6. a SIGINT / SIGTERM to any rank: every rank stops after this iteration, with a checkpoint
             if any_rank(stop.name is not None, device):
-                return stop_after(t, step, batch, stop)
+                if not str(t.last_checkpoint).endswith(f"step-{step:08d}"):  # (not just written by --save-every)
+                    save_training(t, step, batch)
+                launcher = "python" if ctx.world == 1 else f"torchrun --nproc_per_node {ctx.world}"
+                print(f"stopped by {stop.name or 'a signal to another rank'} after iteration {step}/{cfg.steps}; "
+                      f"continue with: {launcher} ppo_tokens.py --resume {t.last_checkpoint}")
+                return t.history
     finish_training(t)
     return t.history
 
@@ -1387,10 +1407,8 @@ def flatten_parameters(model):  # every parameter becomes a view of one flat buf
 
 
 class WeightSync:
-    """Trainer -> sampler weights through packed buffers: publish() (trainer thread) copies the trainer's flat fp32
-    weights into a staging buffer of the sampler's dtype (under FSDP2 each parameter is gathered into its slice);
-    pull() (sampler thread) copies staging into the sampler's flat weights. Staging lets the trainer update on while
-    the sampler still generates with the previous version; the lock covers one copy (~1 ms), never a decode."""
+    """Trainer -> sampler weights through a staging buffer, so the trainer updates on while the sampler still
+    generates with the previous version; the lock covers one copy (~1 ms), never a decode."""
 
     def __init__(self, policy, sampler, sharded=False):
         self.policy = policy
@@ -1440,8 +1458,7 @@ class WeightSync:
 
 
 class Tracer:
-    """Busy and waiting seconds of the trainer and the sampler thread, summed per iteration for the log line; with
-    --trace also the torch.profiler timeline of iterations 2 and 3 (1 warms up) of both threads."""
+    """Busy and waiting seconds of both threads per iteration; with --trace the profiler timeline of iterations 2-3."""
 
     def __init__(self, path: str):
         self.totals = {}  # busy / wait seconds per side since the last take()
@@ -1477,8 +1494,7 @@ class Tracer:
 
 
 class Producer:
-    """make_batch(i) for i = start, ... in a thread at most max_staleness versions ahead, into a bounded queue (or
-    inline). The thread's exceptions re-raise in the trainer; close() stops and joins it, also on error or Ctrl-C."""
+    """make_batch(i) in a thread at most max_staleness versions ahead (or inline); its exceptions re-raise here."""
 
     def __init__(self, make_batch, sync: WeightSync, tracer: Tracer, max_staleness: int, start: int, n: int,
                  threaded: bool):
@@ -1685,8 +1701,13 @@ def make_batch(t: Training, i: int, stop: threading.Event) -> Rollout:
         rows = [p for p in prompts for _ in range(cfg.samples_per_prompt)][t.rank_rows]
         ids, mask = left_pad([run.prompt_ids[r] for r in rows], run.tokenizer.pad_token_id, run.policy.device)
         args = sampling_args(cfg, run.tokenizer.pad_token_id, run.stop_ids, run.vocab)
-        batch = generate(t.decoder, ids, mask, **args, generator=t.sample_generator,
-                         policy_version=version, between_steps=functools.partial(next_version, t, stop, version))
+
+        def next_version():  # stop promptly when the run stops; the next token's version (inflight: the newest)
+            if stop.is_set():
+                raise InterruptedError("the run is stopping")
+            return t.sync.pull() if cfg.inflight_updates else version
+        batch = generate(t.decoder, ids, mask, **args, generator=t.sample_generator, policy_version=version,
+                         between_steps=next_version)
         batch.prompts = [run.prompt_texts[r] for r in rows]
         batch.completions = decode_completions(run.tokenizer, batch)
         batch.gen_s = time.perf_counter() - t0
@@ -1696,40 +1717,6 @@ def make_batch(t: Training, i: int, stop: threading.Event) -> Rollout:
         if ids.device.type == "cuda":
             torch.cuda.current_stream().synchronize()  # the batch is complete before the trainer's stream reads it
     return batch
-
-
-def next_version(t: Training, stop: threading.Event, version: int) -> int:  # generate()'s between_steps
-    """Stop promptly when the run stops; the policy version of the next token (with --inflight-updates the newest)."""
-    if stop.is_set():
-        raise InterruptedError("the run is stopping")
-    return t.sync.pull() if t.cfg.inflight_updates else version
-
-
-def evaluate_before(t: Training):  # the demo's held-out accuracy before PPO (not again on a resume)
-    if t.run.eval_ids is not None and not t.cfg.resume and t.ctx.rank == 0:
-        run = t.run
-        t.first_accuracy = evaluate(t.evaluator, run.tokenizer, run.eval_ids, run.eval_texts, t.cfg, t.cfg.seed + 2)
-        t.logger.log({"step": 0, "eval_accuracy": t.first_accuracy, "time_s": 0.0})
-        print(f"held-out sampled accuracy before PPO: {t.first_accuracy:.3f}")
-
-
-def nonfinite_on_any_rank(batch: Rollout, t: Training):  # nonfinite(batch), decided by all ranks together
-    problem = nonfinite(batch)
-    if any_rank(problem is not None, batch.response.device) and torch.distributed.is_initialized():
-        problems = [None] * t.ctx.world
-        torch.distributed.all_gather_object(problems, problem)
-        problem = "; ".join(f"rank {r}: {p}" for r, p in enumerate(problems) if p)
-    return problem
-
-
-def skip_update(t: Training, step: int, problem: str):  # the non-finite guard: the weights stay finite
-    t.bad_steps += 1
-    t.logger.log({"step": step, "skipped_update": f"non-finite {problem}", "time_s": time.time() - t.run_start})
-    print(f"it {step:>4}/{t.cfg.steps} | update skipped: non-finite {problem} | "
-          f"{t.bad_steps}/{t.cfg.max_bad_steps} in a row", flush=True)
-    if t.bad_steps >= t.cfg.max_bad_steps:
-        raise SystemExit(f"stopping: {t.bad_steps} consecutive updates skipped for non-finite values (last: "
-                         f"{problem}); the last good checkpoint is {t.last_checkpoint or 'none (--save-every 0)'}")
 
 
 def log_iteration(t: Training, step: int, batch: Rollout, kl, stats: dict, lr: float, update_s: float, sync_ms):
@@ -1813,15 +1800,6 @@ class StopSignal:
     def __exit__(self, *exc):
         for s, handler in self.handlers.items():
             signal.signal(s, handler)
-
-
-def stop_after(t: Training, step: int, batch: Rollout, stop: StopSignal) -> list:
-    if not str(t.last_checkpoint).endswith(f"step-{step:08d}"):  # (not just written by --save-every)
-        save_training(t, step, batch)
-    launcher = "python" if t.ctx.world == 1 else f"torchrun --nproc_per_node {t.ctx.world}"
-    print(f"stopped by {stop.name or 'a signal to another rank'} after iteration {step}/{t.cfg.steps}; continue "
-          f"with: {launcher} ppo_tokens.py --resume {t.last_checkpoint}")
-    return t.history
 
 
 def finish_training(t: Training):  # the end of a run: the policy as an HF model (output_dir/policy), the summary
