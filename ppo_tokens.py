@@ -1720,7 +1720,7 @@ def make_batch(t: Training, i: int, stop: threading.Event) -> Rollout:
 
 
 def log_iteration(t: Training, step: int, batch: Rollout, kl, stats: dict, lr: float, update_s: float, sync_ms):
-    """After a good update: evaluate (the demo), log and print the record reduced over ranks, show a few samples."""
+    """After a good update: evaluate (the demo), log and print the iteration's scalars over all ranks, a few samples."""
     cfg = t.cfg
     t.bad_steps = 0
     accuracy = None
@@ -1728,9 +1728,38 @@ def log_iteration(t: Training, step: int, batch: Rollout, kl, stats: dict, lr: f
         with t.tracer.span("evaluate", "trainer"):  # the last published weights
             accuracy = evaluate(t.evaluator, t.run.tokenizer, t.run.eval_ids, t.run.eval_texts, cfg, cfg.seed + 2)
     now = time.time()
-    timing = dict(iter_s=now - t.window_start, gen_s=batch.gen_s, update_s=update_s, busy=t.tracer.take(),
-                  sync_ms=sync_ms)
-    record = reduce_record(iteration_record(step, batch, kl, stats, cfg, lr, **timing), t.ctx.world)
+    iter_s = now - t.window_start
+    busy = t.tracer.take()
+    B, P, T = batch.response.shape[0], batch.prompt_ids.shape[1], batch.response.shape[1]
+    response_tokens = int(batch.response_mask.sum())
+    sequence_tokens = response_tokens + int(batch.prompt_mask.sum())
+    trainer_busy = busy.get("trainer_busy_s", 0.0)
+    sampler_busy = busy.get("sampler_busy_s", 0.0)
+    kl_means = global_masked_means([(kl.sum(-1), batch.loss_rows.any(1)), (kl, batch.loss_rows)])
+    record = {"step": step,
+              "reward_mean": float(batch.raw_scores.mean()),
+              "kl": kl_means[0],  # per sequence, over the rows in the loss
+              "kl_per_token": kl_means[1],
+              **stats,  # ppo_update's losses, clip fractions, approx_kl, entropy, grad norms
+              **({} if batch.returns is None else  # (an estimator without a critic)
+                 {"explained_variance": float(explained_variance(batch.values, batch.returns, batch.response_mask))}),
+              "response_length": response_tokens / B,
+              "response_tokens": response_tokens,
+              # the share of a padded (B, P + T) forward that is padding: what --micro-batch-tokens does not compute
+              "padding_frac": 1.0 - sequence_tokens / (B * (P + T)),
+              "eos_fraction": float(batch.ended.float().mean()),
+              "lr": lr,
+              **batch.correction,  # off_policy_correction's staleness and importance-weight statistics
+              "iter_s": iter_s,
+              "gen_tokens_per_s": response_tokens / batch.gen_s,
+              "train_tokens_per_s": cfg.ppo_epochs * sequence_tokens / update_s,
+              "tokens_per_s": response_tokens / iter_s,  # end to end: what the overlap buys
+              **{f"{side}_{what}_s": busy.get(f"{side}_{what}_s", 0.0)
+                 for side in ("trainer", "sampler") for what in ("busy", "wait")},
+              "trainer_idle_frac": max(0.0, 1.0 - trainer_busy / iter_s),
+              "overlap_frac": max(0.0, trainer_busy + sampler_busy - iter_s) / iter_s,  # both busy at once
+              "weight_sync_ms": sync_ms}
+    record = reduce_record(record, t.ctx.world)
     t.window_start = now
     record["time_s"] = now - t.run_start
     if accuracy is not None:  # rank 0's, after the reduction
@@ -1981,39 +2010,6 @@ def nonfinite(batch: Rollout):  # what in a scored batch is NaN or inf, and in w
         if rows:
             return f"{name} in rows {rows[:8]}{' ...' if len(rows) > 8 else ''} of {B}"
     return None
-
-
-def iteration_record(step, batch: Rollout, kl, stats: dict, cfg: Config, lr, iter_s, gen_s, update_s, busy, sync_ms):
-    """One iteration's logged scalars: metrics.jsonl and wandb. reduce_record combines them over the ranks."""
-    B, P, T = batch.response.shape[0], batch.prompt_ids.shape[1], batch.response.shape[1]
-    response_tokens = int(batch.response_mask.sum())
-    sequence_tokens = response_tokens + int(batch.prompt_mask.sum())
-    trainer_busy = busy.get("trainer_busy_s", 0.0)
-    sampler_busy = busy.get("sampler_busy_s", 0.0)
-    kl_means = global_masked_means([(kl.sum(-1), batch.loss_rows.any(1)), (kl, batch.loss_rows)])
-    return {"step": step,
-            "reward_mean": float(batch.raw_scores.mean()),
-            "kl": kl_means[0],  # per sequence, over the rows in the loss
-            "kl_per_token": kl_means[1],
-            **stats,  # ppo_update's losses, clip fractions, approx_kl, entropy, grad norms
-            **({} if batch.returns is None else  # (an estimator without a critic)
-               {"explained_variance": float(explained_variance(batch.values, batch.returns, batch.response_mask))}),
-            "response_length": response_tokens / B,
-            "response_tokens": response_tokens,
-            # the share of a padded (B, P + T) forward that is padding: what --micro-batch-tokens does not compute
-            "padding_frac": 1.0 - sequence_tokens / (B * (P + T)),
-            "eos_fraction": float(batch.ended.float().mean()),
-            "lr": lr,
-            **batch.correction,  # off_policy_correction's staleness and importance-weight statistics
-            "iter_s": iter_s,
-            "gen_tokens_per_s": response_tokens / gen_s,
-            "train_tokens_per_s": cfg.ppo_epochs * sequence_tokens / update_s,
-            "tokens_per_s": response_tokens / iter_s,  # end to end: what the overlap buys
-            **{f"{side}_{what}_s": busy.get(f"{side}_{what}_s", 0.0)
-               for side in ("trainer", "sampler") for what in ("busy", "wait")},
-            "trainer_idle_frac": max(0.0, 1.0 - trainer_busy / iter_s),
-            "overlap_frac": max(0.0, trainer_busy + sampler_busy - iter_s) / iter_s,  # both busy at once
-            "weight_sync_ms": sync_ms}
 
 
 # How reduce_record combines a logged scalar over the ranks: summed (token counts and throughputs), maxed (maxima),
