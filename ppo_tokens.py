@@ -1677,7 +1677,7 @@ def start_training(cfg: Config, run, output_dir: str, threaded, ctx: Dist) -> Tr
     sync.publish(t.start)  # the sampler starts from the trainer's (maybe just loaded) weights, as version `start`
     sync.pull()
     if ctx.rank == 0:
-        write_json(dataclasses.asdict(cfg), os.path.join(output_dir, "config.json"))  # the config actually used
+        write_file(os.path.join(output_dir, "config.json"), json.dumps(dataclasses.asdict(cfg), indent=2))
     t.logger = Logger(cfg, output_dir, enabled=ctx.rank == 0)
     t.tracer = Tracer(cfg.trace if ctx.rank == 0 else "")
     t.order = prompt_order(len(run.prompt_ids), cfg.seed, start=t.start * (cfg.batch_size // cfg.samples_per_prompt))
@@ -1789,7 +1789,7 @@ def save_training(t: Training, step: int, batch: Rollout):
     path = os.path.join(t.output_dir, "checkpoints", f"step-{step:08d}")
     save_policy(t, os.path.join(path, "policy"))  # (over a half-written directory of a killed run: no .metadata)
     if t.ctx.rank == 0:
-        write_json(dataclasses.asdict(t.cfg), os.path.join(path, "config.json"))
+        write_file(os.path.join(path, "config.json"), json.dumps(dataclasses.asdict(t.cfg), indent=2))
         for directory, _, files in os.walk(path):  # on disk before the .metadata (DCP fsyncs its own files)
             for name in files:
                 with open(os.path.join(directory, name), "rb") as f:
@@ -1872,25 +1872,9 @@ class Logger:
             self.wandb.finish()
 
 
-def prepare_output_dir(cfg: Config, ctx: Dist) -> str:  # rank 0 decides (and dates) it; every rank gets its answer
-    path = cfg.output_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
-    error = None
-    if ctx.rank == 0 and not cfg.resume and (os.path.exists(os.path.join(path, "metrics.jsonl")) or checkpoints(path)):
-        error = (f"--output-dir {path} already holds a run (metrics.jsonl, checkpoints); continue it with --resume, "
-                 "or choose another directory")
-    if torch.distributed.is_initialized():
-        shared = [path, error]
-        torch.distributed.broadcast_object_list(shared, src=0)
-        path, error = shared
-    if error:
-        raise SystemExit(error)
-    os.makedirs(path, exist_ok=True)
-    return path
-
-
-def write_json(obj, path: str):  # through a temporary file and a rename: a crash never leaves half a file
+def write_file(path: str, text: str):  # through a temporary file and a rename: a crash never leaves half a file
     with open(path + ".tmp", "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2)
+        f.write(text)
     os.replace(path + ".tmp", path)
 
 
@@ -1914,18 +1898,6 @@ def checkpoints(run_dir: str):  # the whole checkpoints of a run (those with DCP
     names = sorted(os.listdir(root)) if os.path.isdir(root) else []
     return [os.path.join(root, n) for n in names if n.startswith("step-") and
             os.path.isfile(os.path.join(root, n, ".metadata"))]
-
-
-def find_checkpoint(path: str) -> str:  # --resume PATH: a checkpoint directory, or a run directory's newest one
-    if not path:
-        raise ValueError("--resume needs --output-dir DIR (the run to continue), or --resume PATH")
-    path = os.path.abspath(path)  # (a trailing slash or a relative path must not move the run's directory)
-    if os.path.isfile(os.path.join(path, ".metadata")):
-        return path
-    found = checkpoints(path)
-    if not found:
-        raise ValueError(f"--resume: no whole checkpoint in {path} (looked for {path}/checkpoints/step-*/.metadata)")
-    return found[-1]
 
 
 def checkpoint_state(actor, critic, optimizers, schedules, ctx: Dist, sampler_rng, shuffle_generator, **loop) -> dict:
@@ -1994,9 +1966,7 @@ def restore_metrics(output_dir: str, step: int):
     records = [r for r in records if r["step"] <= step]
     if dropped:
         print(f"resume: dropped {dropped} metrics records written after the checkpoint of step {step}")
-    with open(path + ".tmp", "w", encoding="utf-8") as f:  # and a rename: a crash never leaves half a file
-        f.writelines(json.dumps(r) + "\n" for r in records)
-    os.replace(path + ".tmp", path)
+    write_file(path, "".join(json.dumps(r) + "\n" for r in records))
     return [r for r in records if r["step"] > 0 and "skipped_update" not in r]
 
 
@@ -2212,7 +2182,15 @@ def parse_config(argv=None) -> Config:
     args = vars(parser.parse_args(argv))
     try:
         if args["resume"]:  # the checkpoint's config becomes the defaults, so `--resume PATH` alone continues the run
-            checkpoint = find_checkpoint(args["output_dir"] if args["resume"] == "latest" else args["resume"])
+            path = args["output_dir"] if args["resume"] == "latest" else args["resume"]  # a checkpoint or a run
+            if not path:
+                raise ValueError("--resume needs --output-dir DIR (the run to continue), or --resume PATH")
+            path = os.path.abspath(path)  # (a trailing slash or a relative path must not move the run's directory)
+            found = [path] if os.path.isfile(os.path.join(path, ".metadata")) else checkpoints(path)
+            if not found:
+                raise ValueError(f"--resume: no whole checkpoint in {path} (looked for "
+                                 f"{path}/checkpoints/step-*/.metadata)")
+            checkpoint = found[-1]
             with open(os.path.join(checkpoint, "config.json"), encoding="utf-8") as f:
                 saved = {k: v for k, v in json.load(f).items() if k in args}
             parser.set_defaults(**saved)
@@ -2292,7 +2270,20 @@ def main(argv=None):
     try:
         if cfg.bench_rollout:  # (writes nothing)
             return bench_rollout(cfg)
-        output_dir = prepare_output_dir(cfg, ctx)
+        # rank 0 decides (and dates) the output directory; every rank gets its answer
+        output_dir = cfg.output_dir or os.path.join("runs", time.strftime("%Y%m%d-%H%M%S"))
+        error = None
+        if ctx.rank == 0 and not cfg.resume and (os.path.exists(os.path.join(output_dir, "metrics.jsonl")) or
+                                                 checkpoints(output_dir)):
+            error = (f"--output-dir {output_dir} already holds a run (metrics.jsonl, checkpoints); continue it with "
+                     "--resume, or choose another directory")
+        if torch.distributed.is_initialized():
+            shared = [output_dir, error]
+            torch.distributed.broadcast_object_list(shared, src=0)
+            output_dir, error = shared
+        if error:
+            raise SystemExit(error)
+        os.makedirs(output_dir, exist_ok=True)
         if cfg.bench_overlap:
             return bench_overlap(cfg, output_dir)
         train(cfg, setup(cfg, ctx), output_dir, ctx=ctx)
