@@ -1566,8 +1566,8 @@ class Producer:
 
 
 def micro_batch_rows(batch: Rollout, minibatches, cfg: Config, ranks_agree=False):
-    """Each minibatch's rows split into micro-batches: --micro-batch-size rows each, or with --micro-batch-tokens the
-    token_budget_bins of its rows. ranks_agree: as many micro-batches per minibatch on every rank (one collective)."""
+    """Each minibatch's rows in micro-batches (--micro-batch-size rows, or --micro-batch-tokens' token_budget_bins).
+    ranks_agree: as many micro-batches per minibatch on every rank (one collective)."""
     if not cfg.micro_batch_tokens:
         return [list(rows.split(cfg.micro_batch_size or len(rows))) for rows in minibatches]
     lengths = (batch.prompt_mask.sum(1) + batch.response_mask.sum(1)).tolist()
@@ -1780,10 +1780,9 @@ def log_iteration(t: Training, step: int, batch: Rollout, kl, stats: dict, lr: f
 
 
 def save_training(t: Training, step: int, batch: Rollout):
-    """checkpoints/step-N/ on every rank: config.json, policy/ (an HF model, usable as --model) and, through
-    torch.distributed.checkpoint (DCP), the actor, critic, optimizers, schedules, generators and every rank's RNGs (each
-    rank writes its own shards: FSDP2 is not gathered). DCP writes its .metadata last, and a directory counts as a
-    checkpoint only once it has one, so a kill at any moment leaves the older checkpoints whole."""
+    """checkpoints/step-N/: config.json, policy/ (usable as --model) and DCP's shards of checkpoint_state (FSDP2 is not
+    gathered). DCP writes its .metadata last, and a directory counts as a checkpoint only once it has one, so a kill
+    at any moment leaves the older checkpoints whole."""
     import warnings
     import torch.distributed.checkpoint as dcp
     path = os.path.join(t.output_dir, "checkpoints", f"step-{step:08d}")
@@ -1850,8 +1849,7 @@ def finish_training(t: Training):  # the end of a run: the policy as an HF model
 
 
 class Logger:
-    """metrics.jsonl (a JSON object a line, flushed each time) and, with --wandb-project, wandb. Under torchrun only
-    rank 0's writes (enabled); the others' are no-ops, so the loop calls log() unconditionally."""
+    """metrics.jsonl and --wandb-project's wandb; on ranks > 0 (not enabled) no-ops, so the loop logs on every rank."""
 
     def __init__(self, cfg: Config, output_dir: str, enabled=True):
         self.file = open(os.path.join(output_dir, "metrics.jsonl") if enabled else os.devnull, "a", encoding="utf-8")
@@ -1920,8 +1918,7 @@ def checkpoint_state(actor, critic, optimizers, schedules, ctx: Dist, sampler_rn
 
 
 def load_checkpoint(path: str, actor, critic, optimizers, schedules, ctx: Dist = Dist()) -> dict:
-    """Load a checkpoint in place (the policy's parameters stay views of the packed buffer), restore this rank's RNGs;
-    return the loop state (step, first_accuracy, time_s) and the generators' states."""
+    """In place (parameters stay views of the packed buffer), with this rank's RNGs; returns the loop state."""
     import warnings
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import state_dict as dcp_state
@@ -1953,8 +1950,7 @@ def load_checkpoint(path: str, actor, critic, optimizers, schedules, ctx: Dist =
 
 
 def restore_metrics(output_dir: str, step: int):
-    """On resume: metrics.jsonl keeps its records up to the checkpoint's step (those a crashed run logged later, and a
-    half-written last line, are dropped and counted). Returns the kept iteration records."""
+    """On resume: metrics.jsonl keeps its records up to the checkpoint's step; returns the kept iteration records."""
     path = os.path.join(output_dir, "metrics.jsonl")
     records = []
     for line in open(path, encoding="utf-8") if os.path.exists(path) else []:
@@ -2037,8 +2033,7 @@ def any_rank(flag: bool, device) -> bool:  # a decision every rank must take tog
 
 
 def bench_overlap(cfg: Config, output_dir: str):
-    """--bench-overlap: the same run at --max-staleness 0, 1, 2 in turn; prints end-to-end tokens/s (and its ratio to
-    staleness 0), the trainer's idle fraction, the weight sync's time and the reward reached by the same wall time."""
+    """--bench-overlap: the same run at --max-staleness 0, 1, 2: tokens/s, trainer idle, sync time, reward by a time."""
     results = {}
     for staleness in (0, 1, 2):
         c = dataclasses.replace(cfg, max_staleness=staleness, bench_overlap=False, sample_every=0,
@@ -2061,11 +2056,9 @@ def bench_overlap(cfg: Config, output_dir: str):
 
 
 def bench_rollout(cfg: Config):
-    """--bench-rollout: (1) tokens/s of our sampler (fast_decoder; with --samples-per-prompt n also its prefill shared
-    by each group; with --compile-sampler compiled) against transformers' generate and our plain loop, --batch-size
-    rows of exactly --response-length tokens (EOS ignored); on CUDA also the decode step against the weights-read
-    bound. (2) One PPO update on lengths spread 4:1, padded (--micro-batch-size rows) vs packed (same capacity or
-    --micro-batch-tokens): bench_update."""
+    """--bench-rollout: (1) tokens/s of our sampler (also with each group's prefill shared, and compiled) vs
+    transformers' generate, --batch-size rows of --response-length tokens; on CUDA the decode step vs the weights-read
+    bound. (2) bench_update."""
     cfg = dataclasses.replace(cfg, demo_warmup_max_steps=0)  # speed does not depend on the weights
     run = setup(cfg)  # (which may turn --full-logits on)
     tokenizer, device = run.tokenizer, run.policy.device
