@@ -852,9 +852,10 @@ def train(cfg: Config, run, output_dir: str, threaded=None, ctx: Dist = Dist()):
             t.first_accuracy = evaluate(t.evaluator, run.tokenizer, run.eval_ids, run.eval_texts, cfg, cfg.seed + 2)
             t.logger.log({"step": 0, "eval_accuracy": t.first_accuracy, "time_s": 0.0})
             print(f"held-out sampled accuracy before PPO: {t.first_accuracy:.3f}")
-        t.producer = Producer(functools.partial(make_batch, t), t.sync, t.tracer, cfg.max_staleness, t.start,
-                              cfg.steps, t.threaded)
-        t.start_clock()
+        t.producer = Producer(t)
+        t.window_start = time.time()  # an iteration's window ends at the end of the next
+        t.run_start = t.window_start - t.elapsed
+        t.tracer.take()
         for step in range(t.start + 1, cfg.steps + 1):
             # 1. the next batch: sampled by the sampler, scored by the reference and the reward (make_batch)
             batch = t.producer.get()
@@ -1494,31 +1495,29 @@ class Tracer:
 
 
 class Producer:
-    """make_batch(i) in a thread at most max_staleness versions ahead (or inline); its exceptions re-raise here."""
+    """make_batch(t, i) in a thread at most max_staleness versions ahead (or inline); its exceptions re-raise here."""
 
-    def __init__(self, make_batch, sync: WeightSync, tracer: Tracer, max_staleness: int, start: int, n: int,
-                 threaded: bool):
-        self.make_batch = make_batch
-        self.sync = sync
-        self.tracer = tracer
-        self.max_staleness = max_staleness
-        self.queue = queue.Queue(maxsize=max(1, max_staleness))
+    def __init__(self, t):  # t: train()'s Training
+        self.t = t
+        self.tracer = t.tracer
+        self.queue = queue.Queue(maxsize=max(1, t.cfg.max_staleness))
         self.stop = threading.Event()
-        self.next_index = start
+        self.next_index = t.start
         # the sampler's own CUDA stream, which must see the sampler's weights that the default stream copied in
-        self.stream = torch.cuda.Stream() if sync.cuda else None
+        self.stream = torch.cuda.Stream() if t.sync.cuda else None
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream())
         self.thread = None
-        if threaded:
-            self.thread = threading.Thread(target=self._run, args=(start, n), daemon=True, name="ppo_tokens-sampler")
+        if t.threaded:
+            self.thread = threading.Thread(target=self._run, args=(t.start, t.cfg.steps), daemon=True,
+                                           name="ppo_tokens-sampler")
             self.thread.start()
 
     def _produce(self, i: int):
         with self.tracer.span("wait for weights", "sampler"):
-            self.sync.wait_for(i - self.max_staleness, self.stop)
+            self.t.sync.wait_for(i - self.t.cfg.max_staleness, self.stop)
         with torch.cuda.stream(self.stream):  # None (CPU): a no-op
-            return self.make_batch(i, self.stop)
+            return make_batch(self.t, i, self.stop)
 
     def _run(self, start: int, n: int):
         if self.stream is None:  # CPU: the Python-bound decode needs one core; the trainer keeps the others
@@ -1613,11 +1612,6 @@ class Training:
     producer: Producer = None
     run_start: float = 0.0  # time.time() at which the run (before a resume included) started
     window_start: float = 0.0  # the end of the last iteration: an iteration's window ends at the end of the next
-
-    def start_clock(self):
-        self.window_start = time.time()
-        self.run_start = self.window_start - self.elapsed
-        self.tracer.take()
 
     def close(self):  # on the way out, also on an error or Ctrl-C: stop and join the sampler, write the trace and log
         if self.producer is not None:
