@@ -1560,10 +1560,6 @@ class Producer:
                 print("warning: the sampler thread did not stop within 30 s")
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# micro-batches: the rows of each forward and backward (scoring and the update)
-
-
 def micro_batch_rows(batch: Rollout, minibatches, cfg: Config, ranks_agree=False):
     """Each minibatch's rows in micro-batches (--micro-batch-size rows, or --micro-batch-tokens' token_budget_bins).
     ranks_agree: as many micro-batches per minibatch on every rank (one collective)."""
@@ -1579,7 +1575,7 @@ def micro_batch_rows(batch: Rollout, minibatches, cfg: Config, ranks_agree=False
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# the loop's bookkeeping: start-up and resume, the producer's batches, the stop signal, the non-finite guard, logging
+# the loop's bookkeeping: start-up and resume, the producer's batches, logging, checkpoints, the stop signal
 
 
 @dataclass
@@ -1805,8 +1801,8 @@ class StopSignal:
     """The first SIGINT / SIGTERM ends the run after the current iteration, with a checkpoint; a second one abandons
     the iteration (KeyboardInterrupt). Handlers are installed only in the main thread, and restored on exit."""
 
-    def __init__(self):
-        self.name, self.handlers = None, {}
+    name = None  # the first signal's
+    handlers = {}  # the handlers it replaced
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
