@@ -55,8 +55,7 @@ class Config:
     # what to train
     model: str = arg("", "HF causal-LM directory or hub name; empty = the built-in demo (a tiny Llama learns addition)")
     reward_model: str = arg("", "AutoModelForSequenceClassification (num_labels=1) directory: score = its output")
-    reward: str = arg("", "'module:function', (prompts, completions, **facts) -> list[float]; facts: completion_ids, "
-                      "ended (README)")
+    reward: str = arg("", "'module:function', (prompts, completions, **facts) -> list[float]; facts: README")
     prompts: str = arg("", "JSONL file, one object per line with a 'prompt' field; empty = the demo's prompts")
     chat_template: bool = arg(True, "wrap each prompt in the tokenizer's chat template when it has one")
     max_prompt_length: int = arg(512, "longest prompt in tokens; longer ones are cut or refused, see --long-prompts")
@@ -71,41 +70,30 @@ class Config:
     ppo_epochs: int = arg(0, "passes over each rollout batch; 0 = 2 with a critic, 1 without (GRPO's mu = 1)")
     minibatches: int = arg(4, "optimizer steps per epoch; --batch-size must divide by it")
     micro_batch_size: int = arg(0, "rows per forward/backward, gradients accumulate; 0 = the whole minibatch")
-    micro_batch_tokens: int = arg(0, "instead: micro-batches of at most this many real tokens, each packed into one "
-                                  "padding-free sequence; 0 = padded rows")
+    micro_batch_tokens: int = arg(0, "instead: packed micro-batches of at most this many real tokens; 0 = padded rows")
     gradient_checkpointing: bool = arg(False, "recompute each decoder layer's activations in the backward")
     bf16: bool = arg(False, "bf16 autocast over the fp32 master weights; the log-prob and value heads stay fp32")
-    lr: float = arg(0.0, "policy learning rate (AdamW); 0 = the demo's 5e-4 (3e-4 without a critic); ~1e-6 for real "
-                    "models")
+    lr: float = arg(0.0, "policy learning rate (AdamW); 0 = 5e-4 (3e-4 without a critic); ~1e-6 for real models")
     critic_lr: float = arg(1e-3, "critic learning rate (AdamW); use ~1e-5 for real models")
     lr_decay: bool = arg(True, "decay both learning rates linearly to 0 over --steps")
     weight_decay: float = arg(0.0, "AdamW weight decay")
     adam_eps: float = arg(1e-5, "AdamW epsilon (1e-5 as in the N+ details, not PyTorch's 1e-8)")
     max_grad_norm: float = arg(1.0, "gradient-norm clip, per model")
-    policy_loss: str = arg("ppo", "POLICY_LOSSES: 'ppo' (a clipped ratio per token), 'gspo' (per sequence), 'cispo' "
-                           "(clipped, gradient-stopped weight x log-prob)")
-    pg_mask: str = arg("all", "PG_MASKS, the tokens with a policy gradient: 'all' in the loss, or 'top-entropy' (the "
-                       "20%% highest-entropy ones)")
+    policy_loss: str = arg("ppo", "POLICY_LOSSES: 'ppo' (clipped ratio per token), 'gspo' (per sequence), 'cispo'")
+    pg_mask: str = arg("all", "PG_MASKS: policy gradient on 'all' loss tokens or the 20%% 'top-entropy' ones")
     clip_range: float = arg(0.2, "PPO ratio clip epsilon")
     clip_range_high: float = arg(0.0, "upper ratio clip: 1 + this (DAPO's clip-higher, e.g. 0.28); 0 = --clip-range")
     value_clip_range: float = arg(0.2, "value-prediction clip around the rollout's values")
     entropy_coef: float = arg(0.0, "entropy bonus in the policy loss (0 = only logged)")
     kl_coef: float = arg(0.02, "weight of the per-token KL(policy || reference) penalty (see --kl-in)")
-    kl_in: str = arg("", "the KL penalty goes in the 'reward' (-kl_coef * kl_t per token) or the 'loss' (+ kl_coef * "
-                     "mean kl_t, as GRPO); empty = the --advantage estimator's choice")
-    kl_estimator: str = arg("", "k1 = logp - ref, k2 = (logp - ref)^2 / 2, k3 = e^(ref-logp) - (ref-logp) - 1; "
-                            "empty = k1 in the reward, k3 in the loss")
-    advantage: str = arg("gae", "ADVANTAGES: 'gae' (a critic), 'reinforce++' (return-to-go whitened over the batch), "
-                         "or over groups of --samples-per-prompt: 'grpo' (normalised score), 'rloo' (leave-one-out)")
+    kl_in: str = arg("", "the KL penalty goes in the 'reward' or the 'loss' (as GRPO); empty = the estimator's choice")
+    kl_estimator: str = arg("", "k1, k2 or k3 (kl_estimate, Schulman 2020); empty = k1 in the reward, k3 in the loss")
+    advantage: str = arg("gae", "ADVANTAGES: 'gae' (a critic), 'reinforce++', or over groups 'grpo', 'rloo'")
     samples_per_prompt: int = arg(1, "completions per prompt in a batch (a group); --batch-size counts completions")
-    scale_rewards: str = arg("group", "grpo: divide the centred scores by the std of the 'group', the 'batch', or "
-                             "'none' (Dr. GRPO; with --loss-agg seq-mean-token-sum-norm)")
-    loss_agg: str = arg("token-mean", "a minibatch's loss from its token losses: 'token-mean', "
-                        "'seq-mean-token-mean', or 'seq-mean-token-sum-norm' (token sums / --response-length)")
-    drop_flat_groups: bool = arg(None, "groups whose completions all scored the same (no signal) leave the loss and "
-                                 "its denominators; default: on for grouped estimators")
-    mismatch_correction: bool = arg(False, "weight fresh tokens too by min(exp(prox_logp - behav_logp), --is-cap): "
-                                    "corrects the sampler's (bf16) drift from the trainer")
+    scale_rewards: str = arg("group", "grpo: divide by the std of the 'group', the 'batch', or 'none' (Dr. GRPO)")
+    loss_agg: str = arg("token-mean", "'token-mean', 'seq-mean-token-mean' or 'seq-mean-token-sum-norm'")
+    drop_flat_groups: bool = arg(None, "groups that all scored the same leave the loss; default: on when grouped")
+    mismatch_correction: bool = arg(False, "decoupled-PPO weights on fresh tokens too (sampler drift)")
     gamma: float = arg(1.0, "GAE discount")
     lam: float = arg(0.95, "GAE lambda")
     whiten_scores: bool = arg(False, "whiten the sequence scores over the batch before adding them to the rewards")
@@ -119,10 +107,8 @@ class Config:
     trace: str = arg("", "write a Chrome trace (chrome://tracing, ui.perfetto.dev) of sampler and trainer to this file")
     bench_overlap: bool = arg(False, "benchmark: run --steps iterations at --max-staleness 0, 1 and 2, print a table")
     bench_rollout: bool = arg(False, "benchmark: our sampler vs HF generate (tokens/s), and packed vs padded updates")
-    static_cache: bool = arg(True, "sample with a preallocated KV cache (+ a CUDA graph per decode step on GPU); off = "
-                             "transformers' DynamicCache")
-    compile_sampler: bool = arg(False, "torch.compile the sampler's prefill and decode step (~10-40 s of compiling at "
-                                "start); needs the static cache")
+    static_cache: bool = arg(True, "sample with a preallocated KV cache (+ CUDA graphs); off = DynamicCache")
+    compile_sampler: bool = arg(False, "torch.compile the sampler's steps (~10-40 s at start); needs the static cache")
     full_logits: bool = arg(False, "log-probs from full [tokens, vocab] logits, not the fused lm_head path")
     fsdp: bool = arg(False, "torchrun: shard actor/critic weights, grads, Adam states (FSDP2), not replicate (DDP)")
     # the built-in demo
@@ -138,11 +124,9 @@ class Config:
     # checkpoints and failures
     save_every: int = arg(0, "checkpoint every this many iterations and after the last (0 = only on SIGINT/SIGTERM)")
     keep_checkpoints: int = arg(2, "keep the newest this many checkpoints in --output-dir/checkpoints")
-    resume: str = arg("", "bare: continue from the newest checkpoint in --output-dir; PATH: from that checkpoint or "
-                      "run directory (its config is used; flags that change the run are refused)")
+    resume: str = arg("", "bare: the newest checkpoint in --output-dir; PATH: that checkpoint or run directory")
     max_bad_steps: int = arg(3, "stop after this many consecutive updates skipped for non-finite values")
-    long_prompts: str = arg("truncate", "prompts over --max-prompt-length: 'truncate' (keep the last tokens) or "
-                            "'refuse'")
+    long_prompts: str = arg("truncate", "prompts over --max-prompt-length: 'truncate' (keep their end) or 'refuse'")
     # run
     seed: int = arg(1, "seeds model init, sampling, data order and minibatch shuffling")
     device: str = arg("auto", "'auto' (cuda if available), 'cpu', 'cuda' or 'cuda:N'")
