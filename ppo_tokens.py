@@ -36,10 +36,10 @@ if "ppo_tokens_kernels" not in sys.modules:
     sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)
     _spec.loader.exec_module(sys.modules[_spec.name])
 kernels = sys.modules["ppo_tokens_kernels"]
-from ppo_tokens_kernels import linear_token_logprobs, token_logprobs  # noqa: E402  the fused log-prob kernels
-# the fast paths (kernels.py), each checked against its plain path here: the sampler, packed forwards, timing
+# the fused log-prob kernels and the fast paths, each checked against its plain path here
 from ppo_tokens_kernels import (StaticDecoder, decoder_kwargs, fall_back, fast_decoder, fused_head_agrees,  # noqa: E402
-                                pack_sequences, timed, token_budget_bins, use_packed_attention)
+                                linear_token_logprobs, pack_sequences, timed, token_budget_bins, token_logprobs,
+                                use_packed_attention)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -476,32 +476,26 @@ def reinforce_pp_advantages(batch: Rollout, cfg: Config):
     return masked_whiten(returns, batch.response_mask), None
 
 
-def group_centred(batch: Rollout, cfg: Config):  # (B / n, n): each completion's return minus its group's mean
-    groups = batch.rewards.sum(-1).view(-1, cfg.samples_per_prompt)  # the score minus the KL in the rewards
-    return groups, groups - groups.mean(1, keepdim=True)
-
-
-def each_token(advantage, batch: Rollout):  # (B / n, n) -> (B, T): every token of a completion gets its advantage
-    return torch.where(batch.response_mask.bool(), advantage.reshape(-1)[:, None], 0.0)
-
-
 def grpo_advantages(batch: Rollout, cfg: Config, eps=1e-6):
     """GRPO (Shao et al. 2024, DeepSeekMath): A_i = (s_i - mean_group s) / (std_group s + eps), unbiased std as TRL and
     verl; --scale-rewards batch: the std of the whole batch (all ranks'); none: no division (Dr. GRPO, Liu et al.
     2025: the std favours prompts that are almost always solved or failed)."""
-    groups, centred = group_centred(batch, cfg)
+    groups = batch.rewards.sum(-1).view(-1, cfg.samples_per_prompt)  # (B / n, n): the score minus the KL in the rewards
+    centred = groups - groups.mean(1, keepdim=True)
     if cfg.scale_rewards == "group":
         centred = centred / (groups.std(1, keepdim=True) + eps)
     elif cfg.scale_rewards == "batch":
         returns = groups.reshape(-1)
         centred = centred / (masked_moments(returns, torch.ones_like(returns))[1].sqrt() + eps)
-    return each_token(centred, batch), None
+    return torch.where(batch.response_mask.bool(), centred.reshape(-1)[:, None], 0.0), None  # on every token
 
 
 def rloo_advantages(batch: Rollout, cfg: Config):
     """RLOO (Ahmadian et al. 2024): A_i = s_i - mean_{j != i} s_j = n / (n - 1) * (s_i - mean_group s)."""
     n = cfg.samples_per_prompt
-    return each_token(group_centred(batch, cfg)[1] * (n / (n - 1)), batch), None
+    groups = batch.rewards.sum(-1).view(-1, n)  # (B / n, n)
+    centred = (groups - groups.mean(1, keepdim=True)) * (n / (n - 1))
+    return torch.where(batch.response_mask.bool(), centred.reshape(-1)[:, None], 0.0), None
 
 
 Estimator = collections.namedtuple("Estimator", "fn critic groups kl_in")
@@ -882,7 +876,11 @@ def train(cfg: Config, run, output_dir: str, threaded=None, ctx: Dist = Dist()):
 def setup(cfg: Config, ctx: Dist = Dist()):
     """Tokenizer, policy (warmed up for the demo), frozen reference, critic, reward function and prompts. Everything
     that can be checked cheaply (prompts, reward function, model paths, lengths) is, before the warm-up."""
-    device = run_device(cfg, ctx)
+    name = cfg.device if cfg.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(f"cuda:{ctx.local_rank}" if name == "cuda" else name)  # torchrun: one GPU per local rank
+    if device.type == "cuda":  # the current device: Triton launches, streams, events and graphs use it
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = cfg.tf32  # fp32 matmuls (trainer, fp32 heads) in TF32: README
     dtype = getattr(torch, cfg.dtype)
     torch.manual_seed(cfg.seed)
     prompt_texts = load_prompts(cfg.prompts) if cfg.prompts else None
@@ -935,15 +933,6 @@ def setup(cfg: Config, ctx: Dist = Dist()):
             use_packed_attention(run["critic"].backbone, cfg.bf16)
     print(f"policy {sum(p.numel() for p in policy.parameters()) / 1e6:.2f}M parameters on {device}; {critic_from}")
     return dataclasses.make_dataclass("Run", run.keys())(**run)
-
-
-def run_device(cfg: Config, ctx: Dist):  # --device; under torchrun one GPU per local rank
-    name = cfg.device if cfg.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(f"cuda:{ctx.local_rank}" if name == "cuda" else name)
-    if device.type == "cuda":  # the current device: Triton launches, streams, events and graphs use it
-        torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.allow_tf32 = cfg.tf32  # fp32 matmuls (trainer, fp32 heads) in TF32: README
-    return device
 
 
 def load_policy(cfg: Config, device):
