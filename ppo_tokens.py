@@ -249,11 +249,9 @@ class PlainDecoder:
 @torch.no_grad()
 def generate(sampler, prompt_ids, prompt_mask, *, max_new_tokens, temperature, stop_ids, pad_id, generator,
              top_k=0, top_p=1.0, vocab=None, policy_version=0, between_steps=None):
-    """Batched sampling, our own loop so that every detail is visible: left-padded prompts, logits / temperature,
-    optional top-k/top-p, per-row stop at any of stop_ids (kept; pads follow), and each token's log-prob recorded by
-    the function the trainer scores with. vocab: sample ids < vocab only (never our added pad). sampler: a model or a
-    decoder (PlainDecoder, StaticDecoder). between_steps() -> the policy version, called between decode steps
-    (in-flight weight updates, as PipelineRL: the KV cache keeps the old weights'; each token is tagged)."""
+    """Our own sampling loop, so that every detail is visible; each token's log-prob comes from the function the
+    trainer scores with. vocab: sample ids < vocab only (never our added pad). between_steps() -> the policy version:
+    in-flight weight updates (PipelineRL; the KV cache keeps the old weights', each token is tagged)."""
     decoder = PlainDecoder(sampler) if isinstance(sampler, nn.Module) else sampler
     logits = decoder.start(prompt_ids, prompt_mask, positions(prompt_mask))[:, :vocab]  # (B, V)
     stop_ids = torch.as_tensor(stop_ids, device=prompt_ids.device).reshape(-1)
@@ -298,9 +296,8 @@ def decode_completions(tokenizer, batch: Rollout):  # what a reward function rea
 def sequence_logprobs(model, input_ids, attention_mask, position_ids, response, response_mask, temperature,
                       kept_ids=None, full_logits=False, layout=None, vocab=None):
     """THE token log-prob function: (log pi(response_t | context) under temperature, the entropy), each (B, T) fp32
-    and 0 on pads, for the response in the last T columns: the hidden state at column P-1+t predicts token t.
-    layout: the inputs are one packed row (pack_sequences) whose positions layout["predict"] predict the real response
-    tokens, row-major. vocab: the distribution is over ids < vocab only, as generate samples it."""
+    and 0 on pads; the hidden state at column P-1+t predicts token t. layout: one packed row (pack_sequences) whose
+    positions layout["predict"] predict the real response tokens. vocab: ids < vocab only, as generate samples."""
     mask = response_mask.bool()
     inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
     if layout is None:  # (B, T, H) hidden states
@@ -377,8 +374,7 @@ def critic_values(critic, batch: Rollout, inputs=None):  # (B, T): V(state befor
 
 @torch.no_grad()
 def score_frozen(batch: Rollout, reference, reward_fn, cfg: Config):
-    """The sampler's side of scoring, which needs no trainer weights: sequence scores and reference log-probs (in the
-    overlapped loop, in the producer thread, hidden behind the update)."""
+    """Sequence scores and reference log-probs: no trainer weights, so the overlapped loop runs it in the producer."""
     batch.raw_scores = reward_fn(batch)  # (B,)
     batch.scores = batch.raw_scores - cfg.missing_eos_penalty * (~batch.ended).float()  # N+: penalise runs without EOS
     scored = torch.ones_like(batch.ended)  # (B,) the rows that need reference log-probs
@@ -406,8 +402,7 @@ def masked_moments(x, mask):  # (mean, unbiased variance) of x over mask == 1, o
 
 
 def global_masked_means(pairs) -> list:
-    """[masked_mean(x, mask) for x, mask in pairs] over every rank's elements, in one collective: a mean of the
-    ranks' means would weigh a rank's few loss rows as another's many."""
+    """[masked_mean(x, mask) for x, mask in pairs] over every rank's elements, in one collective."""
     parts = [torch.stack([torch.where(m.bool(), x, 0.0).sum().double(), m.bool().sum().double()]) for x, m in pairs]
     totals = all_reduce(torch.stack(parts))  # (n, 2): sums and counts
     return (totals[:, 0] / totals[:, 1].clamp(min=1)).tolist()
@@ -533,10 +528,9 @@ PG_MASKS = {"all": all_loss_tokens, "top-entropy": top_entropy_tokens}
 
 @torch.no_grad()
 def score_trainer(batch: Rollout, policy, critic, cfg: Config, row_order=None, version=None):
-    """The trainer's side of scoring, with the current weights, right before the update: proximal ("old") log-probs
-    and values in the micro-batches of the first epoch (row_order), so that its ratio is bit-exactly 1; then the
-    rewards, the ADVANTAGES, the PG_MASKS mask and the staleness correction. version: the trainer's policy version
-    (None: every token is fresh, plain PPO). critic: None without one. Returns the per-token KL."""
+    """Scoring with the current weights: proximal ("old") log-probs and values in the first epoch's micro-batches
+    (row_order), so that its ratio is bit-exactly 1; then rewards, ADVANTAGES, PG_MASKS and the staleness correction.
+    version: the trainer's policy version (None: all tokens fresh). Returns the per-token KL."""
     n = cfg.samples_per_prompt
     flat = flat_groups(batch.scores, n) if n > 1 else torch.zeros_like(batch.ended)  # (B,) groups without signal
     mask = batch.response_mask.bool()
@@ -701,10 +695,8 @@ def gradient_sync(models, enabled: bool):  # DDP / FSDP2: all-reduce gradients i
 
 
 def ppo_update(policy, critic, policy_opt, critic_opt, batch: Rollout, cfg: Config, row_orders):
-    """ppo_epochs x minibatches optimizer steps on one batch; row_orders[e] is epoch e's row order (epoch 0's is the
-    one scoring used). Each micro-batch's loss is its share of its minibatch's over all ranks (loss_denominators);
-    gradients sync on the last micro-step. critic, critic_opt: None without a critic. A NaN/inf loss or grad norm
-    skips that step and the rest (earlier steps stand): returns {"nonfinite": where}."""
+    """ppo_epochs x minibatches optimizer steps; row_orders[e] is epoch e's row order (epoch 0's: scoring's). A
+    NaN/inf loss or grad norm skips that step and the rest (earlier steps stand): returns {"nonfinite": where}."""
     sums = {}  # each logged statistic, summed over the optimizer steps
     n_steps = 0
     first_ratio_max_dev = torch.zeros(())
@@ -750,8 +742,8 @@ def ppo_update(policy, critic, policy_opt, critic_opt, batch: Rollout, cfg: Conf
 
 
 def update_minibatches(batch: Rollout, cfg: Config, row_orders):
-    """The rows of each optimizer step, epoch by epoch: each row order split into --minibatches, less the rows without
-    a loss token when skip_loss_free_rows (a minibatch keeps one row, so that the ranks still step in lockstep)."""
+    """Each optimizer step's rows, less those without a loss token when skip_loss_free_rows (one row stays, so that
+    the ranks step in lockstep)."""
     minibatch_size = batch.response.shape[0] // cfg.minibatches
     minibatches = [rows for order in row_orders for rows in order.to(batch.response.device).split(minibatch_size)]
     has_loss = batch.loss_mask.any(1)  # (B,)
@@ -762,16 +754,14 @@ def update_minibatches(batch: Rollout, cfg: Config, row_orders):
 
 
 def skip_loss_free_rows(cfg: Config) -> bool:
-    """Whether the rows without a loss token (dropped flat groups, tokens past --max-token-age) skip every forward
-    after the reward. Only without a critic (GAE needs every row's values) and with the KL in the loss (a KL in the
-    reward enters the baselines); not under torchrun with micro-batches, whose counts must agree across ranks."""
+    """Whether rows without a loss token skip every forward after the reward: not with a critic (GAE needs every
+    row's values), a KL in the reward (it enters the baselines), or torchrun micro-batches (counts must agree)."""
     lockstep = torch.distributed.is_initialized() and (cfg.micro_batch_size or cfg.micro_batch_tokens)
     return not ADVANTAGES[cfg.advantage].critic and cfg.kl_in == "loss" and not lockstep
 
 
 def micro_step(policy, critic, mb: Rollout, cfg: Config, share: Share) -> dict:
-    """One micro-batch's forward and backward, as its share of the minibatch's loss: policy_objective, minus the
-    entropy bonus, plus with --kl-in loss kl_coef * the KL to the reference; the critic's value_loss."""
+    """One micro-batch's forward and backward: policy_objective - entropy bonus (+ kl_coef * KL), and value_loss."""
     inputs = model_inputs(mb, cfg)  # packed once for both models
     with autocast(cfg, mb.response.device):
         logprobs, entropy = rollout_logprobs(policy, mb, cfg, inputs)
@@ -874,8 +864,8 @@ def train(cfg: Config, run, output_dir: str, threaded=None, ctx: Dist = Dist()):
 
 
 def setup(cfg: Config, ctx: Dist = Dist()):
-    """Tokenizer, policy (warmed up for the demo), frozen reference, critic, reward function and prompts. Everything
-    that can be checked cheaply (prompts, reward function, model paths, lengths) is, before the warm-up."""
+    """Tokenizer, policy (warmed up for the demo), frozen reference, critic, reward function and prompts; the cheap
+    checks come before the warm-up."""
     name = cfg.device if cfg.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(f"cuda:{ctx.local_rank}" if name == "cuda" else name)  # torchrun: one GPU per local rank
     if device.type == "cuda":  # the current device: Triton launches, streams, events and graphs use it
@@ -936,8 +926,7 @@ def setup(cfg: Config, ctx: Dist = Dist()):
 
 
 def load_policy(cfg: Config, device):
-    """The policy (--model, or the demo's) and its tokenizer, checked for what the sampler needs; fp32 master weights
-    (bf16 Adam updates round away). Returns (tokenizer, policy, stop ids, the sampled vocabulary)."""
+    """(tokenizer, policy in fp32: bf16 Adam updates round away, stop ids, the sampled vocabulary)."""
     if cfg.model:
         from transformers import AutoModelForCausalLM, AutoTokenizer
         try:
@@ -1015,8 +1004,7 @@ def ensure_pad_token(tokenizer, model, stop_ids=()) -> int:
 
 
 def disable_dropout(model: nn.Module):
-    """Dropout makes the scoring pass and the training pass see different networks, so the PPO ratio is not 1 on the
-    first minibatch (N+ detail). Zero every dropout module and every *dropout* probability in the config."""
+    """Dropout would make scoring and training see different networks: the first ratio would not be 1 (N+ detail)."""
     for m in [*model.modules(), getattr(model, "config", None)]:  # HF attention layers read float attributes
         for key, value in (vars(m).items() if m is not None else ()):
             if "dropout" in key and isinstance(value, float):
@@ -1030,8 +1018,7 @@ def backbone_of(model):  # LlamaForCausalLM.model, Qwen2ForSequenceClassificatio
 
 
 class ScalarHeadModel(nn.Module):
-    """A causal-LM backbone with a linear head to one scalar per token: the critic (value of the state before each
-    token) and the reward model (score at the last real token) are both this."""
+    """A causal-LM backbone with a linear head to one scalar per token: the critic and the reward model."""
 
     def __init__(self, backbone: nn.Module, head: nn.Linear):
         super().__init__()
@@ -1079,8 +1066,7 @@ def decoder_layers(model):  # the transformer blocks: the longest ModuleList
 
 
 def checkpoint_layers(model):
-    """--gradient-checkpointing: each decoder layer keeps only its inputs and recomputes its activations in the
-    backward (non-reentrant torch.utils.checkpoint; works in eval mode, unlike transformers' own, and under FSDP2)."""
+    """--gradient-checkpointing, non-reentrant: works in eval mode, unlike transformers' own, and under FSDP2."""
     for layer in decoder_layers(model):
         layer.forward = functools.partial(torch.utils.checkpoint.checkpoint, layer.forward, use_reentrant=False)
 
@@ -1102,8 +1088,7 @@ def autocast(cfg: Config, device):  # --bf16: the trainer's forwards in bf16 aut
 
 
 def make_optimizers(cfg: Config, policy, critic):
-    """AdamW per model (eps 1e-5: the N+ details), decayed linearly to 0 over --steps unless --no-lr-decay. Returns
-    (the policy's, the critic's or None, their schedules)."""
+    """AdamW per model (eps 1e-5: the N+ details), decayed linearly to 0 over --steps unless --no-lr-decay."""
     optimizers = [torch.optim.AdamW(model.parameters(), lr=lr, eps=cfg.adam_eps, weight_decay=cfg.weight_decay,
                                     fused=True)  # one kernel for all parameters, CPU and CUDA
                   for model, lr in ((policy, cfg.lr), (critic, cfg.critic_lr)) if model is not None]
@@ -1171,9 +1156,8 @@ def load_reward_function(spec: str):  # the module is imported from the current 
 
 
 def format_prompts(tokenizer, texts, use_chat_template: bool, max_prompt_length: int, long_prompts="truncate"):
-    """Token ids per prompt: in the tokenizer's chat template (with the generation prompt) if it has one and
-    --chat-template is on, else the plain text with its special tokens. Long prompts keep their last tokens (the
-    question is usually at the end), or are refused."""
+    """Token ids per prompt, in the chat template if any; long prompts keep their last tokens (the question is usually
+    at the end), or are refused."""
     if use_chat_template and getattr(tokenizer, "chat_template", None):
         texts = [tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
                                                add_generation_prompt=True) for t in texts]
@@ -1237,9 +1221,8 @@ def reward_model_scores(reward_model, rm_tokenizer, policy_tokenizer, batch, use
 
 
 def rule_scores(rule, batch: Rollout):
-    """(B,) a reward function's scores of a batch, checked: one number per completion, or a clear error. The function
-    gets the prompts and completions (strings) and, where it names them (or takes **kwargs), the token-level facts:
-    completion_ids (each completion's token ids, the stop token excluded) and ended (it emitted a stop token)."""
+    """(B,) a reward function's scores, checked. It gets prompts and completions and, where it names them (or takes
+    **kwargs), completion_ids (the stop token excluded) and ended (it emitted a stop token)."""
     lengths = (batch.response_mask.sum(-1) - batch.ended.long()).tolist()  # real tokens minus the stop token
     facts = {"completion_ids": [r[:n] for r, n in zip(batch.response.tolist(), lengths)],
              "ended": batch.ended.tolist()}
@@ -1265,8 +1248,7 @@ def rule_scores(rule, batch: Rollout):
 
 @torch.no_grad()
 def evaluate(policy, tokenizer, prompt_ids, prompt_texts, cfg: Config, seed: int, chunk=500):
-    """Sampled accuracy (temperature --temperature, the same sampling as training) on the given prompts; the
-    generator is re-seeded each time, so successive evaluations differ only by the weights."""
+    """Sampled accuracy (as training samples), re-seeded: successive evaluations differ only by the weights."""
     device = policy.device
     generator = torch.Generator(device).manual_seed(seed)
     correct = 0.0
@@ -1280,9 +1262,8 @@ def evaluate(policy, tokenizer, prompt_ids, prompt_texts, cfg: Config, seed: int
 
 
 def demo_warmup(policy, tokenizer, train_pairs, cfg: Config):
-    """Supervised warm-up until sampled accuracy on 256 training prompts reaches --demo-warmup-target, so PPO starts
-    from a policy that is sometimes right. Adaptive, not a fixed count: the jump comes anywhere from ~250 to 900+
-    steps depending on the seed. Cached on disk by (model config, vocabulary, seed, warm-up settings)."""
+    """Supervised warm-up until --demo-warmup-target, so PPO starts from a policy that is sometimes right; adaptive:
+    the jump comes anywhere from ~250 to 900+ steps depending on the seed. Cached on disk."""
     key = json.dumps([policy.config.to_json_string(), sorted(tokenizer.get_vocab().items()), cfg.seed,
                       cfg.demo_warmup_lr, cfg.demo_warmup_target, cfg.demo_warmup_max_steps, "v3"])
     name = f"demo-warmup-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
