@@ -17,8 +17,7 @@ Left out: pure-bf16 weights (fp32 master weights and AdamW), paged attention / c
     python ppo_tokens.py --advantage grpo --samples-per-prompt 8     # the demo, critic-free
     torchrun --standalone --nproc_per_node 8 ppo_tokens.py --model ...  # one node, 8 GPUs (--fsdp to shard)
     python ppo_tokens.py --help                           # every flag, with its units and typical values
-README.md gives its numbers with the commands and machines they came from. Reading order: Config, THE ALGORITHM
-(rollout -> scoring -> advantages -> losses -> update -> the loop, train()), then the PLUMBING it calls.
+README.md gives its numbers with the commands and machines they came from.
 """
 
 import argparse, collections, contextlib, copy, dataclasses, functools, gc, hashlib, importlib, importlib.util, inspect
@@ -199,9 +198,8 @@ def positions(mask):  # (B, L) -> (B, L): position ids that count real tokens on
 
 
 def truncate_logits(scaled_logits, top_k: int, top_p: float):
-    """Top-k / top-p filtering of temperature-scaled logits (B, V) -> (filtered logits, kept ids (B, K), -1 where
-    dropped); the trainer renormalises its log-probs over the same kept set. Top-p sees the top --top-k ids only (64
-    when --top-k is 0), so that the set has a fixed width."""
+    """(B, V) -> (filtered logits, kept ids (B, K), -1 where dropped): the trainer renormalises over the same set.
+    Top-p sees the top --top-k ids only (64 when --top-k is 0), so that the set has a fixed width."""
     V = scaled_logits.shape[-1]
     values, ids = scaled_logits.topk(min(top_k or 64, V), dim=-1)  # (B, K) sorted, largest first
     if top_p < 1.0:  # as HF: top-k first, then top-p over the renormalised top-k distribution
@@ -324,8 +322,8 @@ def sequence_logprobs(model, input_ids, attention_mask, position_ids, response, 
 
 
 class Actor(nn.Module):
-    """sequence_logprobs of a policy as one module forward, so DDP and FSDP2 see it all: the fused path reads
-    lm_head.weight directly, which only the wrapped module's forward syncs (DDP) or gathers (FSDP2)."""
+    """sequence_logprobs as one module forward: the fused path reads lm_head.weight, which DDP/FSDP2 only sync/gather
+    in the wrapped module's forward."""
 
     def __init__(self, policy, temperature: float, full_logits=False, vocab=None):
         super().__init__()
@@ -454,9 +452,8 @@ def flat_groups(scores, n: int):  # (B,) bool: the row's group of n completions 
     return (groups == groups[:, :1]).all(1).repeat_interleave(n)
 
 
-# The advantage estimators: fn(batch, cfg) -> (advantages (B, T), the critic's targets (B, T) or None), from
-# batch.rewards and, with a critic, batch.values. Each declares what it needs: a critic (setup builds it, the update
-# trains it), groups of --samples-per-prompt completions of one prompt (rows g*n .. g*n + n-1), where the KL goes.
+# The advantage estimators: fn(batch, cfg) -> (advantages (B, T), the critic's targets (B, T) or None). Each declares
+# what it needs: a critic, groups of --samples-per-prompt completions (rows g*n .. g*n + n-1), where the KL goes.
 
 
 def gae_advantages(batch: Rollout, cfg: Config):  # PPO: GAE over the critic's values, whitened over the real tokens
@@ -500,8 +497,7 @@ ADVANTAGES = {"gae": Estimator(gae_advantages, critic=True, groups=False, kl_in=
               "rloo": Estimator(rloo_advantages, critic=False, groups=True, kl_in="loss")}
 
 
-# The policy-gradient masks: fn(batch, cfg) -> (B, T) bool, the loss tokens whose policy loss counts (the KL, entropy
-# and value terms, and every denominator, keep the whole loss mask).
+# The policy-gradient masks: fn(batch, cfg) -> (B, T) bool, the loss tokens with a policy loss (the rest keep them all)
 
 
 def all_loss_tokens(batch: Rollout, cfg: Config):
@@ -565,12 +561,10 @@ def score_trainer(batch: Rollout, policy, critic, cfg: Config, row_order=None, v
 
 
 def off_policy_correction(batch: Rollout, cfg: Config, version=None):
-    """Staleness: the tokens an older policy sampled (age = version - policy_version > 0) get the decoupled-PPO
-    importance weight (Hilton et al. 2022; AReaL), the proximal policy being the trainer's current one:
+    """Tokens an older policy sampled get the decoupled-PPO importance weight (Hilton et al. 2022; AReaL):
         w_t = exp(prox_logp_t - behav_logp_t), capped at --is-cap (truncated or masked); exactly 1 for fresh tokens,
-    so at --max-staleness 0 this is plain PPO to the bit. --mismatch-correction: fresh tokens get it too (Yao et al.
-    2025, "Your efficient RL framework secretly brings you off-policy RL training"): a sampler with other numerics
-    (bf16, other kernels) is a slightly different policy even at the same version."""
+    so at --max-staleness 0 this is plain PPO to the bit. --mismatch-correction: fresh tokens too (Yao et al. 2025):
+    a sampler with other numerics (bf16, other kernels) is a slightly different policy even at the same version."""
     mask = batch.response_mask.bool()
     in_loss = batch.loss_rows  # what the statistics cover: a row skipped (skip_loss_free_rows) has no prox log-probs
     age = torch.zeros_like(batch.policy_version) if version is None else version - batch.policy_version  # (B, T)
@@ -596,9 +590,8 @@ def off_policy_correction(batch: Rollout, cfg: Config, version=None):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# the losses. A policy loss is fn(logprobs, mb, cfg) -> (per-token loss (b, T), per-token statistics), logprobs the
-# current policy's (with gradient), mb the micro-batch. policy_objective applies what every loss shares: the
-# staleness weight, the policy-gradient mask, the aggregation.
+# the losses. A policy loss is fn(logprobs, mb, cfg) -> (per-token loss (b, T), per-token statistics); policy_objective
+# applies what every loss shares: the staleness weight, the policy-gradient mask, the aggregation.
 
 
 def clipped_surrogate(ratio, advantages, cfg: Config):
@@ -633,9 +626,8 @@ def cispo_loss(logprobs, mb: Rollout, cfg: Config):
 
 POLICY_LOSSES = {"ppo": ppo_loss, "gspo": gspo_loss, "cispo": cispo_loss}
 
-# A micro-batch's part of its minibatch's loss (loss_denominators): the minibatch's real tokens over all ranks (the
-# logged token means' denominator), its --loss-agg denominator, each row's token weight (b, 1) or None. The default:
-# token means over the micro-batch itself.
+# A micro-batch's part of its minibatch's loss (loss_denominators): the logged means' and --loss-agg's denominators,
+# each row's token weight (b, 1) or None. The default: token means over the micro-batch itself.
 Share = collections.namedtuple("Share", "tokens denom token_weight", defaults=(None, None, None))
 
 
@@ -786,10 +778,9 @@ def micro_step(policy, critic, mb: Rollout, cfg: Config, share: Share) -> dict:
 
 def loss_denominators(batch: Rollout, minibatches, cfg: Config):
     """Each minibatch's denominators over all ranks (/ world, as DDP averages gradients), so that its loss does not
-    depend on the split into micro-batches and ranks: its real tokens (the logged means) and --loss-agg's: the tokens
-    (token-mean); the sequences, each token weighted by 1 / its sequence's tokens (seq-mean-token-mean); sequences x
-    --response-length (seq-mean-token-sum-norm, Dr. GRPO: a long answer's tokens weigh no less). Returns (tokens (M,),
-    denominators (M,), row weights (B,) or None, empty (M,): no token on any rank, so ppo_update takes no step)."""
+    depend on the split into micro-batches and ranks. --loss-agg: token-mean: the tokens; seq-mean-token-mean: the
+    sequences, each token weighted by 1 / its sequence's tokens; seq-mean-token-sum-norm (Dr. GRPO): sequences x
+    --response-length. Returns (tokens (M,), denominators (M,), row weights (B,) or None, empty (M,))."""
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     lengths = batch.loss_mask.sum(1)  # (B,)
     counts = torch.stack([torch.stack([lengths[rows].sum(), (lengths[rows] > 0).sum()]) for rows in minibatches])
@@ -1050,9 +1041,8 @@ def load_reward_model(path: str, device, dtype):  # -> (ScalarHeadModel, its tok
 
 
 def build_critic(policy, reward_model=None, same_tokenizer=False):
-    """A copy of the reward model when its tokenizer is the policy's (N+ detail: the value head starts from the reward
-    head, which already predicts the final score), else of the policy's backbone with a zero head, so the first
-    advantages are the rewards, not a random head's noise (which made the demo's accuracy collapse)."""
+    """A copy of the reward model when its tokenizer is the policy's (N+ detail: its head already predicts the score),
+    else of the policy's backbone with a zero head: a random head's noise made the demo's accuracy collapse."""
     if reward_model is not None and same_tokenizer:
         return copy.deepcopy(reward_model).to(torch.float32).requires_grad_(True).eval()
     backbone = copy.deepcopy(backbone_of(policy))
@@ -1077,8 +1067,7 @@ def outside_autocast(fn, hidden, dtype, *args, **kwargs):  # --bf16: a head comp
 
 
 def fp32_head(model):
-    """--bf16: the lm_head outside autocast, in fp32, so the full logits and their post-processing (softcapping,
-    scaling: autocast leaves it in its input's dtype) are fp32, as on the fused path."""
+    """--bf16: the lm_head in fp32, so the full logits and their post-processing are fp32, as on the fused path."""
     head = model.get_output_embeddings()
     head.forward = functools.partial(outside_autocast, head.forward, dtype=head.weight.dtype)
 
@@ -1092,10 +1081,8 @@ def make_optimizers(cfg: Config, policy, critic):
     optimizers = [torch.optim.AdamW(model.parameters(), lr=lr, eps=cfg.adam_eps, weight_decay=cfg.weight_decay,
                                     fused=True)  # one kernel for all parameters, CPU and CUDA
                   for model, lr in ((policy, cfg.lr), (critic, cfg.critic_lr)) if model is not None]
-
-    def decay(step: int) -> float:  # the learning rates' factor after `step` updates
-        return max(0.0, 1.0 - step / cfg.steps) if cfg.lr_decay else 1.0
-    schedules = [torch.optim.lr_scheduler.LambdaLR(o, decay) for o in optimizers]
+    schedules = [torch.optim.lr_scheduler.LambdaLR(o, lambda step: max(0.0, 1.0 - step / cfg.steps) if cfg.lr_decay
+                                                   else 1.0) for o in optimizers]
     return optimizers[0], optimizers[1] if critic is not None else None, schedules
 
 
@@ -1193,8 +1180,8 @@ def sampling_args(cfg: Config, pad_id: int, stop_ids, vocab=None) -> dict:  # ge
 
 @torch.no_grad()
 def reward_model_scores(reward_model, rm_tokenizer, policy_tokenizer, batch, use_chat_template, micro_batch_size):
-    """Each (prompt, completion)'s score at its last real token: the rollout's own tokens if the vocabularies match,
-    else the text, re-templated and re-tokenized for the reward model (with the EOS where the completion ended)."""
+    """Each (prompt, completion)'s score at its last real token: the rollout's tokens if the vocabularies match, else
+    the text, re-templated and re-tokenized."""
     if same_vocabulary(rm_tokenizer, policy_tokenizer):
         ids, mask, _ = full_sequence(batch)
     else:
@@ -1314,12 +1301,9 @@ def demo_warmup(policy, tokenizer, train_pairs, cfg: Config):
 
 # ----------------------------------------------------------------------------------------------------------------
 # the overlapped loop's machinery: sampler thread, bounded queue, packed weight sync, timing
-#
-# Generation dominates RL wall-clock time and leaves the trainer idle, so (as verl, AReaL, PipelineRL, PRIME-RL do)
-# a sampler copy of the policy generates the next batches while the trainer updates on the current one (train()).
-# A thread rather than cooperative interleaving: every PyTorch op releases the GIL, so the sampler's Python-bound
-# decode loop runs while the trainer's kernels run, and on CUDA the two threads' kernels go to separate streams and
-# overlap on the device, without either side having to yield at hand-picked points.
+# Generation dominates RL wall-clock time, so (as verl, AReaL, PipelineRL, PRIME-RL) a sampler copy of the policy
+# generates the next batches while the trainer updates. A thread: every PyTorch op releases the GIL, and on CUDA the
+# two threads' kernels go to separate streams and overlap, with no hand-picked yield points.
 
 
 def sampler_copy(policy):  # the sampler's inference copy of the policy: bf16 on GPU, no gradients
