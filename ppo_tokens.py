@@ -399,8 +399,7 @@ def masked_moments(x, mask):  # (mean, unbiased variance) of x over mask == 1, o
     return mean, all_reduce(torch.where(mask, (x - mean) ** 2, 0.0).sum()) / (n - 1).clamp(min=1)
 
 
-def global_masked_means(pairs) -> list:
-    """[masked_mean(x, mask) for x, mask in pairs] over every rank's elements, in one collective."""
+def global_masked_means(pairs) -> list:  # [masked_mean(x, mask) for x, mask in pairs] over all ranks, one collective
     parts = [torch.stack([torch.where(m.bool(), x, 0.0).sum().double(), m.bool().sum().double()]) for x, m in pairs]
     totals = all_reduce(torch.stack(parts))  # (n, 2): sums and counts
     return (totals[:, 0] / totals[:, 1].clamp(min=1)).tolist()
@@ -664,8 +663,7 @@ def value_loss(values, old_values, returns, mask, clip_range, share: Share = Sha
     return loss, stats
 
 
-def explained_variance(values, returns, mask):
-    """1 - Var[R - V] / Var[R] over real tokens: 1 = the critic predicts the returns, 0 = no better than their mean."""
+def explained_variance(values, returns, mask):  # 1 - Var[R - V] / Var[R]: 1 = the critic predicts R, 0 = their mean
     mask = mask.bool()
     r, v = returns[mask], values[mask]
     return 1.0 - (r - v).var() / r.var().clamp(min=1e-8)
@@ -916,8 +914,7 @@ def setup(cfg: Config, ctx: Dist = Dist()):
     return dataclasses.make_dataclass("Run", run.keys())(**run)
 
 
-def load_policy(cfg: Config, device):
-    """(tokenizer, policy in fp32: bf16 Adam updates round away, stop ids, the sampled vocabulary)."""
+def load_policy(cfg: Config, device):  # -> (tokenizer, policy in fp32: bf16 Adam updates round away, stop ids, vocab)
     if cfg.model:
         from transformers import AutoModelForCausalLM, AutoTokenizer
         try:
@@ -994,8 +991,7 @@ def ensure_pad_token(tokenizer, model, stop_ids=()) -> int:
     return min(vocab, tokenizer.pad_token_id) if tokenizer.pad_token == PAD_TOKEN else vocab
 
 
-def disable_dropout(model: nn.Module):
-    """Dropout would make scoring and training see different networks: the first ratio would not be 1 (N+ detail)."""
+def disable_dropout(model: nn.Module):  # N+ detail: with dropout the first minibatch's ratio would not be 1
     for m in [*model.modules(), getattr(model, "config", None)]:  # HF attention layers read float attributes
         for key, value in (vars(m).items() if m is not None else ()):
             if "dropout" in key and isinstance(value, float):
@@ -1008,8 +1004,7 @@ def backbone_of(model):  # LlamaForCausalLM.model, Qwen2ForSequenceClassificatio
     return getattr(model, model.base_model_prefix)
 
 
-class ScalarHeadModel(nn.Module):
-    """A causal-LM backbone with a linear head to one scalar per token: the critic and the reward model."""
+class ScalarHeadModel(nn.Module):  # the critic and the reward model: a causal-LM backbone, one scalar per token
 
     def __init__(self, backbone: nn.Module, head: nn.Linear):
         super().__init__()
@@ -1055,8 +1050,7 @@ def decoder_layers(model):  # the transformer blocks: the longest ModuleList
     return max((m for m in model.modules() if isinstance(m, nn.ModuleList)), key=len)
 
 
-def checkpoint_layers(model):
-    """--gradient-checkpointing, non-reentrant: works in eval mode, unlike transformers' own, and under FSDP2."""
+def checkpoint_layers(model):  # non-reentrant: works in eval mode, unlike transformers' own, and under FSDP2
     for layer in decoder_layers(model):
         layer.forward = functools.partial(torch.utils.checkpoint.checkpoint, layer.forward, use_reentrant=False)
 
@@ -1066,8 +1060,7 @@ def outside_autocast(fn, hidden, dtype, *args, **kwargs):  # --bf16: a head comp
         return fn(hidden.to(dtype), *args, **kwargs)
 
 
-def fp32_head(model):
-    """--bf16: the lm_head in fp32, so the full logits and their post-processing are fp32, as on the fused path."""
+def fp32_head(model):  # --bf16: the lm_head in fp32, so the full logits and their post-processing are fp32
     head = model.get_output_embeddings()
     head.forward = functools.partial(outside_autocast, head.forward, dtype=head.weight.dtype)
 
@@ -1076,8 +1069,7 @@ def autocast(cfg: Config, device):  # --bf16: the trainer's forwards in bf16 aut
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16)
 
 
-def make_optimizers(cfg: Config, policy, critic):
-    """AdamW per model (eps 1e-5: the N+ details), decayed linearly to 0 over --steps unless --no-lr-decay."""
+def make_optimizers(cfg: Config, policy, critic):  # AdamW per model (eps 1e-5: N+), decayed linearly to 0 over --steps
     optimizers = [torch.optim.AdamW(model.parameters(), lr=lr, eps=cfg.adam_eps, weight_decay=cfg.weight_decay,
                                     fused=True)  # one kernel for all parameters, CPU and CUDA
                   for model, lr in ((policy, cfg.lr), (critic, cfg.critic_lr)) if model is not None]
@@ -1086,8 +1078,7 @@ def make_optimizers(cfg: Config, policy, critic):
     return optimizers[0], optimizers[1] if critic is not None else None, schedules
 
 
-def wrap_for_training(model, cfg: Config):
-    """Under torchrun: DDP (replicated, gradients all-reduced) or --fsdp FSDP2 (each decoder layer, then the root)."""
+def wrap_for_training(model, cfg: Config):  # torchrun: DDP, or --fsdp FSDP2 (each decoder layer, then the root)
     if not torch.distributed.is_initialized():
         return model
     device = next(model.parameters()).device
