@@ -635,9 +635,8 @@ def aggregate(x, mask, share: Share = Share()):  # the sum of x over mask, weigh
 
 
 def policy_objective(logprobs, mb: Rollout, cfg: Config, share: Share = Share()):
-    """The --policy-loss's token losses times the decoupled-PPO weight (exactly 1 when fresh), over the pg mask,
-    aggregated. Returns (loss, statistics: the loss's token means, approx KL(old || new) = mean (r - 1) - log r (k3),
-    max |r - 1|)."""
+    """The --policy-loss's token losses times the decoupled-PPO weight, over the pg mask, aggregated. Statistics: the
+    loss's token means, approx KL(old || new) = mean (r - 1) - log r (k3), max |r - 1|."""
     token_loss, token_stats = POLICY_LOSSES[cfg.policy_loss](logprobs, mb, cfg)
     if mb.is_weight is not None:
         token_loss = token_loss * mb.is_weight
