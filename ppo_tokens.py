@@ -155,7 +155,6 @@ Dist = collections.namedtuple("Dist", "rank local_rank world", defaults=(0, 0, 1
 # generate -> score_frozen (reference log-probs, the reward) -> score_trainer (old log-probs, values, rewards, an
 # ADVANTAGES estimator, a PG_MASKS mask, the staleness weights) -> ppo_update (a POLICY_LOSSES loss, value_loss) ->
 # WeightSync.publish (the sampler pulls the new weights before its next batch).
-#
 # rollout: the policy samples a completion per prompt with its own KV-cache loop
 
 
@@ -306,8 +305,7 @@ def sequence_logprobs(model, input_ids, attention_mask, position_ids, response, 
         predict = layout["predict"]
         targets, target_mask = response[mask][None], None
         kept = None if kept_ids is None else kept_ids[mask][None]
-    # fused when the logits are exactly hidden @ W.T (setup checks: fused_head_agrees): never holds [tokens, vocab]
-    # logits (kernels.linear_token_logprobs). --bf16: the head stays fp32
+    # fused when the logits are exactly hidden @ W.T (fused_head_agrees): never holds [tokens, vocab] logits; fp32 head
     head = getattr(model, "lm_head", None)
     if not full_logits and isinstance(head, nn.Linear) and head.bias is None:
         hidden = backbone_of(model)(**inputs).last_hidden_state[:, predict]
