@@ -218,8 +218,7 @@ def sample_tokens(probs, generator):  # (B, V) -> (B,): one draw per row
 
 
 class PlainDecoder:
-    """The reference decode loop: the model's own cache (a DynamicCache, recurrent states for hybrid layers) and a 2D
-    attention mask grown by one column per step. Works for every causal LM that setup() accepts."""
+    """The reference decode loop, for every causal LM that setup() accepts: the model's own cache, a 2D mask."""
 
     def __init__(self, model):
         self.model = model
@@ -976,9 +975,8 @@ def stop_token_ids(tokenizer, model) -> list:
 
 
 def ensure_pad_token(tokenizer, model, stop_ids=()) -> int:
-    """A pad distinct from every stop id: masks never come from `ids == pad` here, but a pad equal to EOS is how other
-    code masks the real EOS out of the loss. Returns the sampled vocabulary: our added pad and the model's spare
-    embedding rows lie above it, so no completion holds them (sampler and scorer both cut the logits there)."""
+    """A pad distinct from every stop id (a pad equal to EOS is how other code masks the real EOS out of the loss).
+    Returns the sampled vocabulary: our added pad and the model's spare embedding rows lie above it."""
     if tokenizer.pad_token_id is None or tokenizer.pad_token_id in (tokenizer.eos_token_id, *stop_ids):
         tokenizer.add_special_tokens({"pad_token": PAD_TOKEN})
         if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:  # many vocabularies have spare rows already
@@ -1282,8 +1280,7 @@ def demo_warmup(policy, tokenizer, train_pairs, cfg: Config):
                 break
     print(f"\nwarm-up: {step} steps in {time.time() - t0:.1f} s, sampled train accuracy {accuracy:.2f}")
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    saved = {"state_dict": policy.state_dict(), "steps": step, "accuracy": accuracy}
-    torch.save(saved, path + ".tmp")
+    torch.save({"state_dict": policy.state_dict(), "steps": step, "accuracy": accuracy}, path + ".tmp")
     os.replace(path + ".tmp", path)  # a killed run never leaves half a cache entry
 
 
