@@ -728,8 +728,7 @@ def ppo_update(policy, critic, policy_opt, critic_opt, batch: Rollout, cfg: Conf
 
 
 def update_minibatches(batch: Rollout, cfg: Config, row_orders):
-    """Each optimizer step's rows, less those without a loss token when skip_loss_free_rows (one row stays, so that
-    the ranks step in lockstep)."""
+    """Each optimizer step's rows, less those without a loss token when skip_loss_free_rows (one stays: lockstep)."""
     minibatch_size = batch.response.shape[0] // cfg.minibatches
     minibatches = [rows for order in row_orders for rows in order.to(batch.response.device).split(minibatch_size)]
     has_loss = batch.loss_mask.any(1)  # (B,)
@@ -849,8 +848,7 @@ def train(cfg: Config, run, output_dir: str, threaded=None, ctx: Dist = Dist()):
 
 
 def setup(cfg: Config, ctx: Dist = Dist()):
-    """Tokenizer, policy (warmed up for the demo), frozen reference, critic, reward function and prompts; the cheap
-    checks come before the warm-up."""
+    """Tokenizer, policy (warmed up for the demo), reference, critic, reward function, prompts; cheap checks first."""
     name = cfg.device if cfg.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(f"cuda:{ctx.local_rank}" if name == "cuda" else name)  # torchrun: one GPU per local rank
     if device.type == "cuda":  # the current device: Triton launches, streams, events and graphs use it
@@ -1129,8 +1127,7 @@ def load_reward_function(spec: str):  # the module is imported from the current 
 
 
 def format_prompts(tokenizer, texts, use_chat_template: bool, max_prompt_length: int, long_prompts="truncate"):
-    """Token ids per prompt, in the chat template if any; long prompts keep their last tokens (the question is usually
-    at the end), or are refused."""
+    """Token ids per prompt, in the chat template if any; long ones keep their last tokens (the question), or fail."""
     if use_chat_template and getattr(tokenizer, "chat_template", None):
         texts = [tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
                                                add_generation_prompt=True) for t in texts]
@@ -1166,8 +1163,7 @@ def sampling_args(cfg: Config, pad_id: int, stop_ids, vocab=None) -> dict:  # ge
 
 @torch.no_grad()
 def reward_model_scores(reward_model, rm_tokenizer, policy_tokenizer, batch, use_chat_template, micro_batch_size):
-    """Each (prompt, completion)'s score at its last real token: the rollout's tokens if the vocabularies match, else
-    the text, re-templated and re-tokenized."""
+    """Each sequence's score at its last real token: our tokens if the vocabularies match, else re-tokenized text."""
     if same_vocabulary(rm_tokenizer, policy_tokenizer):
         ids, mask, _ = full_sequence(batch)
     else:
