@@ -17,8 +17,7 @@ Left out: pure-bf16 weights (fp32 master weights and AdamW), paged attention / c
     python ppo_tokens.py --advantage grpo --samples-per-prompt 8     # the demo, critic-free
     torchrun --standalone --nproc_per_node 8 ppo_tokens.py --model ...  # one node, 8 GPUs (--fsdp to shard)
     python ppo_tokens.py --help                           # every flag, with its units and typical values
-README.md gives its numbers with the commands and machines they came from. Reading order: Config, THE ALGORITHM
-(rollout -> scoring -> advantages -> losses -> update -> the loop, train()), then the PLUMBING it calls.
+README.md gives its numbers with the commands and machines they came from.
 """
 
 import argparse, collections, contextlib, copy, dataclasses, functools, gc, hashlib, importlib, importlib.util, inspect
@@ -36,10 +35,10 @@ if "ppo_tokens_kernels" not in sys.modules:
     sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)
     _spec.loader.exec_module(sys.modules[_spec.name])
 kernels = sys.modules["ppo_tokens_kernels"]
-from ppo_tokens_kernels import linear_token_logprobs, token_logprobs  # noqa: E402  the fused log-prob kernels
-# the fast paths (kernels.py), each checked against its plain path here: the sampler, packed forwards, timing
+# the fused log-prob kernels and the fast paths, each checked against its plain path here
 from ppo_tokens_kernels import (StaticDecoder, decoder_kwargs, fall_back, fast_decoder, fused_head_agrees,  # noqa: E402
-                                pack_sequences, timed, token_budget_bins, use_packed_attention)
+                                linear_token_logprobs, pack_sequences, timed, token_budget_bins, token_logprobs,
+                                use_packed_attention)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -55,8 +54,7 @@ class Config:
     # what to train
     model: str = arg("", "HF causal-LM directory or hub name; empty = the built-in demo (a tiny Llama learns addition)")
     reward_model: str = arg("", "AutoModelForSequenceClassification (num_labels=1) directory: score = its output")
-    reward: str = arg("", "'module:function', (prompts, completions, **facts) -> list[float]; facts: completion_ids, "
-                      "ended (README)")
+    reward: str = arg("", "'module:function', (prompts, completions, **facts) -> list[float]; facts: README")
     prompts: str = arg("", "JSONL file, one object per line with a 'prompt' field; empty = the demo's prompts")
     chat_template: bool = arg(True, "wrap each prompt in the tokenizer's chat template when it has one")
     max_prompt_length: int = arg(512, "longest prompt in tokens; longer ones are cut or refused, see --long-prompts")
@@ -71,41 +69,30 @@ class Config:
     ppo_epochs: int = arg(0, "passes over each rollout batch; 0 = 2 with a critic, 1 without (GRPO's mu = 1)")
     minibatches: int = arg(4, "optimizer steps per epoch; --batch-size must divide by it")
     micro_batch_size: int = arg(0, "rows per forward/backward, gradients accumulate; 0 = the whole minibatch")
-    micro_batch_tokens: int = arg(0, "instead: micro-batches of at most this many real tokens, each packed into one "
-                                  "padding-free sequence; 0 = padded rows")
+    micro_batch_tokens: int = arg(0, "instead: packed micro-batches of at most this many real tokens; 0 = padded rows")
     gradient_checkpointing: bool = arg(False, "recompute each decoder layer's activations in the backward")
     bf16: bool = arg(False, "bf16 autocast over the fp32 master weights; the log-prob and value heads stay fp32")
-    lr: float = arg(0.0, "policy learning rate (AdamW); 0 = the demo's 5e-4 (3e-4 without a critic); ~1e-6 for real "
-                    "models")
+    lr: float = arg(0.0, "policy learning rate (AdamW); 0 = 5e-4 (3e-4 without a critic); ~1e-6 for real models")
     critic_lr: float = arg(1e-3, "critic learning rate (AdamW); use ~1e-5 for real models")
     lr_decay: bool = arg(True, "decay both learning rates linearly to 0 over --steps")
     weight_decay: float = arg(0.0, "AdamW weight decay")
     adam_eps: float = arg(1e-5, "AdamW epsilon (1e-5 as in the N+ details, not PyTorch's 1e-8)")
     max_grad_norm: float = arg(1.0, "gradient-norm clip, per model")
-    policy_loss: str = arg("ppo", "POLICY_LOSSES: 'ppo' (a clipped ratio per token), 'gspo' (per sequence), 'cispo' "
-                           "(clipped, gradient-stopped weight x log-prob)")
-    pg_mask: str = arg("all", "PG_MASKS, the tokens with a policy gradient: 'all' in the loss, or 'top-entropy' (the "
-                       "20%% highest-entropy ones)")
+    policy_loss: str = arg("ppo", "POLICY_LOSSES: 'ppo' (clipped ratio per token), 'gspo' (per sequence), 'cispo'")
+    pg_mask: str = arg("all", "PG_MASKS: policy gradient on 'all' loss tokens or the 20%% 'top-entropy' ones")
     clip_range: float = arg(0.2, "PPO ratio clip epsilon")
     clip_range_high: float = arg(0.0, "upper ratio clip: 1 + this (DAPO's clip-higher, e.g. 0.28); 0 = --clip-range")
     value_clip_range: float = arg(0.2, "value-prediction clip around the rollout's values")
     entropy_coef: float = arg(0.0, "entropy bonus in the policy loss (0 = only logged)")
     kl_coef: float = arg(0.02, "weight of the per-token KL(policy || reference) penalty (see --kl-in)")
-    kl_in: str = arg("", "the KL penalty goes in the 'reward' (-kl_coef * kl_t per token) or the 'loss' (+ kl_coef * "
-                     "mean kl_t, as GRPO); empty = the --advantage estimator's choice")
-    kl_estimator: str = arg("", "k1 = logp - ref, k2 = (logp - ref)^2 / 2, k3 = e^(ref-logp) - (ref-logp) - 1; "
-                            "empty = k1 in the reward, k3 in the loss")
-    advantage: str = arg("gae", "ADVANTAGES: 'gae' (a critic), 'reinforce++' (return-to-go whitened over the batch), "
-                         "or over groups of --samples-per-prompt: 'grpo' (normalised score), 'rloo' (leave-one-out)")
+    kl_in: str = arg("", "the KL penalty goes in the 'reward' or the 'loss' (as GRPO); empty = the estimator's choice")
+    kl_estimator: str = arg("", "k1, k2 or k3 (kl_estimate, Schulman 2020); empty = k1 in the reward, k3 in the loss")
+    advantage: str = arg("gae", "ADVANTAGES: 'gae' (a critic), 'reinforce++', or over groups 'grpo', 'rloo'")
     samples_per_prompt: int = arg(1, "completions per prompt in a batch (a group); --batch-size counts completions")
-    scale_rewards: str = arg("group", "grpo: divide the centred scores by the std of the 'group', the 'batch', or "
-                             "'none' (Dr. GRPO; with --loss-agg seq-mean-token-sum-norm)")
-    loss_agg: str = arg("token-mean", "a minibatch's loss from its token losses: 'token-mean', "
-                        "'seq-mean-token-mean', or 'seq-mean-token-sum-norm' (token sums / --response-length)")
-    drop_flat_groups: bool = arg(None, "groups whose completions all scored the same (no signal) leave the loss and "
-                                 "its denominators; default: on for grouped estimators")
-    mismatch_correction: bool = arg(False, "weight fresh tokens too by min(exp(prox_logp - behav_logp), --is-cap): "
-                                    "corrects the sampler's (bf16) drift from the trainer")
+    scale_rewards: str = arg("group", "grpo: divide by the std of the 'group', the 'batch', or 'none' (Dr. GRPO)")
+    loss_agg: str = arg("token-mean", "'token-mean', 'seq-mean-token-mean' or 'seq-mean-token-sum-norm'")
+    drop_flat_groups: bool = arg(None, "groups that all scored the same leave the loss; default: on when grouped")
+    mismatch_correction: bool = arg(False, "decoupled-PPO weights on fresh tokens too (sampler drift)")
     gamma: float = arg(1.0, "GAE discount")
     lam: float = arg(0.95, "GAE lambda")
     whiten_scores: bool = arg(False, "whiten the sequence scores over the batch before adding them to the rewards")
@@ -119,10 +106,8 @@ class Config:
     trace: str = arg("", "write a Chrome trace (chrome://tracing, ui.perfetto.dev) of sampler and trainer to this file")
     bench_overlap: bool = arg(False, "benchmark: run --steps iterations at --max-staleness 0, 1 and 2, print a table")
     bench_rollout: bool = arg(False, "benchmark: our sampler vs HF generate (tokens/s), and packed vs padded updates")
-    static_cache: bool = arg(True, "sample with a preallocated KV cache (+ a CUDA graph per decode step on GPU); off = "
-                             "transformers' DynamicCache")
-    compile_sampler: bool = arg(False, "torch.compile the sampler's prefill and decode step (~10-40 s of compiling at "
-                                "start); needs the static cache")
+    static_cache: bool = arg(True, "sample with a preallocated KV cache (+ CUDA graphs); off = DynamicCache")
+    compile_sampler: bool = arg(False, "torch.compile the sampler's steps (~10-40 s at start); needs the static cache")
     full_logits: bool = arg(False, "log-probs from full [tokens, vocab] logits, not the fused lm_head path")
     fsdp: bool = arg(False, "torchrun: shard actor/critic weights, grads, Adam states (FSDP2), not replicate (DDP)")
     # the built-in demo
@@ -138,11 +123,9 @@ class Config:
     # checkpoints and failures
     save_every: int = arg(0, "checkpoint every this many iterations and after the last (0 = only on SIGINT/SIGTERM)")
     keep_checkpoints: int = arg(2, "keep the newest this many checkpoints in --output-dir/checkpoints")
-    resume: str = arg("", "bare: continue from the newest checkpoint in --output-dir; PATH: from that checkpoint or "
-                      "run directory (its config is used; flags that change the run are refused)")
+    resume: str = arg("", "bare: the newest checkpoint in --output-dir; PATH: that checkpoint or run directory")
     max_bad_steps: int = arg(3, "stop after this many consecutive updates skipped for non-finite values")
-    long_prompts: str = arg("truncate", "prompts over --max-prompt-length: 'truncate' (keep the last tokens) or "
-                            "'refuse'")
+    long_prompts: str = arg("truncate", "prompts over --max-prompt-length: 'truncate' (keep their end) or 'refuse'")
     # run
     seed: int = arg(1, "seeds model init, sampling, data order and minibatch shuffling")
     device: str = arg("auto", "'auto' (cuda if available), 'cpu', 'cuda' or 'cuda:N'")
@@ -172,7 +155,6 @@ Dist = collections.namedtuple("Dist", "rank local_rank world", defaults=(0, 0, 1
 # generate -> score_frozen (reference log-probs, the reward) -> score_trainer (old log-probs, values, rewards, an
 # ADVANTAGES estimator, a PG_MASKS mask, the staleness weights) -> ppo_update (a POLICY_LOSSES loss, value_loss) ->
 # WeightSync.publish (the sampler pulls the new weights before its next batch).
-#
 # rollout: the policy samples a completion per prompt with its own KV-cache loop
 
 
@@ -215,9 +197,8 @@ def positions(mask):  # (B, L) -> (B, L): position ids that count real tokens on
 
 
 def truncate_logits(scaled_logits, top_k: int, top_p: float):
-    """Top-k / top-p filtering of temperature-scaled logits (B, V) -> (filtered logits, kept ids (B, K), -1 where
-    dropped); the trainer renormalises its log-probs over the same kept set. Top-p sees the top --top-k ids only (64
-    when --top-k is 0), so that the set has a fixed width."""
+    """(B, V) -> (filtered logits, kept ids (B, K), -1 where dropped): the trainer renormalises over the same set.
+    Top-p sees the top --top-k ids only (64 when --top-k is 0), so that the set has a fixed width."""
     V = scaled_logits.shape[-1]
     values, ids = scaled_logits.topk(min(top_k or 64, V), dim=-1)  # (B, K) sorted, largest first
     if top_p < 1.0:  # as HF: top-k first, then top-p over the renormalised top-k distribution
@@ -237,8 +218,7 @@ def sample_tokens(probs, generator):  # (B, V) -> (B,): one draw per row
 
 
 class PlainDecoder:
-    """The reference decode loop: the model's own cache (a DynamicCache, recurrent states for hybrid layers) and a 2D
-    attention mask grown by one column per step. Works for every causal LM that setup() accepts."""
+    """The reference decode loop, for every causal LM that setup() accepts: the model's own cache, a 2D mask."""
 
     def __init__(self, model):
         self.model = model
@@ -265,11 +245,9 @@ class PlainDecoder:
 @torch.no_grad()
 def generate(sampler, prompt_ids, prompt_mask, *, max_new_tokens, temperature, stop_ids, pad_id, generator,
              top_k=0, top_p=1.0, vocab=None, policy_version=0, between_steps=None):
-    """Batched sampling, our own loop so that every detail is visible: left-padded prompts, logits / temperature,
-    optional top-k/top-p, per-row stop at any of stop_ids (kept; pads follow), and each token's log-prob recorded by
-    the function the trainer scores with. vocab: sample ids < vocab only (never our added pad). sampler: a model or a
-    decoder (PlainDecoder, StaticDecoder). between_steps() -> the policy version, called between decode steps
-    (in-flight weight updates, as PipelineRL: the KV cache keeps the old weights'; each token is tagged)."""
+    """Our own sampling loop, so that every detail is visible; each token's log-prob comes from the function the
+    trainer scores with. vocab: sample ids < vocab only (never our added pad). between_steps() -> the policy version:
+    in-flight weight updates (PipelineRL; the KV cache keeps the old weights', each token is tagged)."""
     decoder = PlainDecoder(sampler) if isinstance(sampler, nn.Module) else sampler
     logits = decoder.start(prompt_ids, prompt_mask, positions(prompt_mask))[:, :vocab]  # (B, V)
     stop_ids = torch.as_tensor(stop_ids, device=prompt_ids.device).reshape(-1)
@@ -314,9 +292,8 @@ def decode_completions(tokenizer, batch: Rollout):  # what a reward function rea
 def sequence_logprobs(model, input_ids, attention_mask, position_ids, response, response_mask, temperature,
                       kept_ids=None, full_logits=False, layout=None, vocab=None):
     """THE token log-prob function: (log pi(response_t | context) under temperature, the entropy), each (B, T) fp32
-    and 0 on pads, for the response in the last T columns: the hidden state at column P-1+t predicts token t.
-    layout: the inputs are one packed row (pack_sequences) whose positions layout["predict"] predict the real response
-    tokens, row-major. vocab: the distribution is over ids < vocab only, as generate samples it."""
+    and 0 on pads; the hidden state at column P-1+t predicts token t. layout: one packed row (pack_sequences) whose
+    positions layout["predict"] predict the real response tokens. vocab: ids < vocab only, as generate samples."""
     mask = response_mask.bool()
     inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
     if layout is None:  # (B, T, H) hidden states
@@ -327,8 +304,7 @@ def sequence_logprobs(model, input_ids, attention_mask, position_ids, response, 
         predict = layout["predict"]
         targets, target_mask = response[mask][None], None
         kept = None if kept_ids is None else kept_ids[mask][None]
-    # fused when the logits are exactly hidden @ W.T (setup checks: fused_head_agrees): never holds [tokens, vocab]
-    # logits (kernels.linear_token_logprobs). --bf16: the head stays fp32
+    # fused when the logits are exactly hidden @ W.T (fused_head_agrees): never holds [tokens, vocab] logits; fp32 head
     head = getattr(model, "lm_head", None)
     if not full_logits and isinstance(head, nn.Linear) and head.bias is None:
         hidden = backbone_of(model)(**inputs).last_hidden_state[:, predict]
@@ -343,8 +319,8 @@ def sequence_logprobs(model, input_ids, attention_mask, position_ids, response, 
 
 
 class Actor(nn.Module):
-    """sequence_logprobs of a policy as one module forward, so DDP and FSDP2 see it all: the fused path reads
-    lm_head.weight directly, which only the wrapped module's forward syncs (DDP) or gathers (FSDP2)."""
+    """sequence_logprobs as one module forward: the fused path reads lm_head.weight, which DDP/FSDP2 only sync/gather
+    in the wrapped module's forward."""
 
     def __init__(self, policy, temperature: float, full_logits=False, vocab=None):
         super().__init__()
@@ -393,8 +369,7 @@ def critic_values(critic, batch: Rollout, inputs=None):  # (B, T): V(state befor
 
 @torch.no_grad()
 def score_frozen(batch: Rollout, reference, reward_fn, cfg: Config):
-    """The sampler's side of scoring, which needs no trainer weights: sequence scores and reference log-probs (in the
-    overlapped loop, in the producer thread, hidden behind the update)."""
+    """Sequence scores and reference log-probs: no trainer weights, so the overlapped loop runs it in the producer."""
     batch.raw_scores = reward_fn(batch)  # (B,)
     batch.scores = batch.raw_scores - cfg.missing_eos_penalty * (~batch.ended).float()  # N+: penalise runs without EOS
     scored = torch.ones_like(batch.ended)  # (B,) the rows that need reference log-probs
@@ -421,9 +396,7 @@ def masked_moments(x, mask):  # (mean, unbiased variance) of x over mask == 1, o
     return mean, all_reduce(torch.where(mask, (x - mean) ** 2, 0.0).sum()) / (n - 1).clamp(min=1)
 
 
-def global_masked_means(pairs) -> list:
-    """[masked_mean(x, mask) for x, mask in pairs] over every rank's elements, in one collective: a mean of the
-    ranks' means would weigh a rank's few loss rows as another's many."""
+def global_masked_means(pairs) -> list:  # [masked_mean(x, mask) for x, mask in pairs] over all ranks, one collective
     parts = [torch.stack([torch.where(m.bool(), x, 0.0).sum().double(), m.bool().sum().double()]) for x, m in pairs]
     totals = all_reduce(torch.stack(parts))  # (n, 2): sums and counts
     return (totals[:, 0] / totals[:, 1].clamp(min=1)).tolist()
@@ -475,9 +448,8 @@ def flat_groups(scores, n: int):  # (B,) bool: the row's group of n completions 
     return (groups == groups[:, :1]).all(1).repeat_interleave(n)
 
 
-# The advantage estimators: fn(batch, cfg) -> (advantages (B, T), the critic's targets (B, T) or None), from
-# batch.rewards and, with a critic, batch.values. Each declares what it needs: a critic (setup builds it, the update
-# trains it), groups of --samples-per-prompt completions of one prompt (rows g*n .. g*n + n-1), where the KL goes.
+# The advantage estimators: fn(batch, cfg) -> (advantages (B, T), the critic's targets (B, T) or None). Each declares
+# what it needs: a critic, groups of --samples-per-prompt completions (rows g*n .. g*n + n-1), where the KL goes.
 
 
 def gae_advantages(batch: Rollout, cfg: Config):  # PPO: GAE over the critic's values, whitened over the real tokens
@@ -492,32 +464,26 @@ def reinforce_pp_advantages(batch: Rollout, cfg: Config):
     return masked_whiten(returns, batch.response_mask), None
 
 
-def group_centred(batch: Rollout, cfg: Config):  # (B / n, n): each completion's return minus its group's mean
-    groups = batch.rewards.sum(-1).view(-1, cfg.samples_per_prompt)  # the score minus the KL in the rewards
-    return groups, groups - groups.mean(1, keepdim=True)
-
-
-def each_token(advantage, batch: Rollout):  # (B / n, n) -> (B, T): every token of a completion gets its advantage
-    return torch.where(batch.response_mask.bool(), advantage.reshape(-1)[:, None], 0.0)
-
-
 def grpo_advantages(batch: Rollout, cfg: Config, eps=1e-6):
     """GRPO (Shao et al. 2024, DeepSeekMath): A_i = (s_i - mean_group s) / (std_group s + eps), unbiased std as TRL and
     verl; --scale-rewards batch: the std of the whole batch (all ranks'); none: no division (Dr. GRPO, Liu et al.
     2025: the std favours prompts that are almost always solved or failed)."""
-    groups, centred = group_centred(batch, cfg)
+    groups = batch.rewards.sum(-1).view(-1, cfg.samples_per_prompt)  # (B / n, n): the score minus the KL in the rewards
+    centred = groups - groups.mean(1, keepdim=True)
     if cfg.scale_rewards == "group":
         centred = centred / (groups.std(1, keepdim=True) + eps)
     elif cfg.scale_rewards == "batch":
         returns = groups.reshape(-1)
         centred = centred / (masked_moments(returns, torch.ones_like(returns))[1].sqrt() + eps)
-    return each_token(centred, batch), None
+    return torch.where(batch.response_mask.bool(), centred.reshape(-1)[:, None], 0.0), None  # on every token
 
 
 def rloo_advantages(batch: Rollout, cfg: Config):
     """RLOO (Ahmadian et al. 2024): A_i = s_i - mean_{j != i} s_j = n / (n - 1) * (s_i - mean_group s)."""
     n = cfg.samples_per_prompt
-    return each_token(group_centred(batch, cfg)[1] * (n / (n - 1)), batch), None
+    groups = batch.rewards.sum(-1).view(-1, n)  # (B / n, n)
+    centred = (groups - groups.mean(1, keepdim=True)) * (n / (n - 1))
+    return torch.where(batch.response_mask.bool(), centred.reshape(-1)[:, None], 0.0), None
 
 
 Estimator = collections.namedtuple("Estimator", "fn critic groups kl_in")
@@ -527,8 +493,7 @@ ADVANTAGES = {"gae": Estimator(gae_advantages, critic=True, groups=False, kl_in=
               "rloo": Estimator(rloo_advantages, critic=False, groups=True, kl_in="loss")}
 
 
-# The policy-gradient masks: fn(batch, cfg) -> (B, T) bool, the loss tokens whose policy loss counts (the KL, entropy
-# and value terms, and every denominator, keep the whole loss mask).
+# The policy-gradient masks: fn(batch, cfg) -> (B, T) bool, the loss tokens with a policy loss (the rest keep them all)
 
 
 def all_loss_tokens(batch: Rollout, cfg: Config):
@@ -555,10 +520,9 @@ PG_MASKS = {"all": all_loss_tokens, "top-entropy": top_entropy_tokens}
 
 @torch.no_grad()
 def score_trainer(batch: Rollout, policy, critic, cfg: Config, row_order=None, version=None):
-    """The trainer's side of scoring, with the current weights, right before the update: proximal ("old") log-probs
-    and values in the micro-batches of the first epoch (row_order), so that its ratio is bit-exactly 1; then the
-    rewards, the ADVANTAGES, the PG_MASKS mask and the staleness correction. version: the trainer's policy version
-    (None: every token is fresh, plain PPO). critic: None without one. Returns the per-token KL."""
+    """Scoring with the current weights: proximal ("old") log-probs and values in the first epoch's micro-batches
+    (row_order), so that its ratio is bit-exactly 1; then rewards, ADVANTAGES, PG_MASKS and the staleness correction.
+    version: the trainer's policy version (None: all tokens fresh). Returns the per-token KL."""
     n = cfg.samples_per_prompt
     flat = flat_groups(batch.scores, n) if n > 1 else torch.zeros_like(batch.ended)  # (B,) groups without signal
     mask = batch.response_mask.bool()
@@ -593,12 +557,10 @@ def score_trainer(batch: Rollout, policy, critic, cfg: Config, row_order=None, v
 
 
 def off_policy_correction(batch: Rollout, cfg: Config, version=None):
-    """Staleness: the tokens an older policy sampled (age = version - policy_version > 0) get the decoupled-PPO
-    importance weight (Hilton et al. 2022; AReaL), the proximal policy being the trainer's current one:
+    """Tokens an older policy sampled get the decoupled-PPO importance weight (Hilton et al. 2022; AReaL):
         w_t = exp(prox_logp_t - behav_logp_t), capped at --is-cap (truncated or masked); exactly 1 for fresh tokens,
-    so at --max-staleness 0 this is plain PPO to the bit. --mismatch-correction: fresh tokens get it too (Yao et al.
-    2025, "Your efficient RL framework secretly brings you off-policy RL training"): a sampler with other numerics
-    (bf16, other kernels) is a slightly different policy even at the same version."""
+    so at --max-staleness 0 this is plain PPO to the bit. --mismatch-correction: fresh tokens too (Yao et al. 2025):
+    a sampler with other numerics (bf16, other kernels) is a slightly different policy even at the same version."""
     mask = batch.response_mask.bool()
     in_loss = batch.loss_rows  # what the statistics cover: a row skipped (skip_loss_free_rows) has no prox log-probs
     age = torch.zeros_like(batch.policy_version) if version is None else version - batch.policy_version  # (B, T)
@@ -624,9 +586,8 @@ def off_policy_correction(batch: Rollout, cfg: Config, version=None):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# the losses. A policy loss is fn(logprobs, mb, cfg) -> (per-token loss (b, T), per-token statistics), logprobs the
-# current policy's (with gradient), mb the micro-batch. policy_objective applies what every loss shares: the
-# staleness weight, the policy-gradient mask, the aggregation.
+# the losses. A policy loss is fn(logprobs, mb, cfg) -> (per-token loss (b, T), per-token statistics); policy_objective
+# applies what every loss shares: the staleness weight, the policy-gradient mask, the aggregation.
 
 
 def clipped_surrogate(ratio, advantages, cfg: Config):
@@ -661,9 +622,8 @@ def cispo_loss(logprobs, mb: Rollout, cfg: Config):
 
 POLICY_LOSSES = {"ppo": ppo_loss, "gspo": gspo_loss, "cispo": cispo_loss}
 
-# A micro-batch's part of its minibatch's loss (loss_denominators): the minibatch's real tokens over all ranks (the
-# logged token means' denominator), its --loss-agg denominator, each row's token weight (b, 1) or None. The default:
-# token means over the micro-batch itself.
+# A micro-batch's part of its minibatch's loss (loss_denominators): the logged means' and --loss-agg's denominators,
+# each row's token weight (b, 1) or None. The default: token means over the micro-batch itself.
 Share = collections.namedtuple("Share", "tokens denom token_weight", defaults=(None, None, None))
 
 
@@ -672,9 +632,8 @@ def aggregate(x, mask, share: Share = Share()):  # the sum of x over mask, weigh
 
 
 def policy_objective(logprobs, mb: Rollout, cfg: Config, share: Share = Share()):
-    """The --policy-loss's token losses times the decoupled-PPO weight (exactly 1 when fresh), over the pg mask,
-    aggregated. Returns (loss, statistics: the loss's token means, approx KL(old || new) = mean (r - 1) - log r (k3),
-    max |r - 1|)."""
+    """The --policy-loss's token losses times the decoupled-PPO weight, over the pg mask, aggregated. Statistics: the
+    loss's token means, approx KL(old || new) = mean (r - 1) - log r (k3), max |r - 1|."""
     token_loss, token_stats = POLICY_LOSSES[cfg.policy_loss](logprobs, mb, cfg)
     if mb.is_weight is not None:
         token_loss = token_loss * mb.is_weight
@@ -700,8 +659,7 @@ def value_loss(values, old_values, returns, mask, clip_range, share: Share = Sha
     return loss, stats
 
 
-def explained_variance(values, returns, mask):
-    """1 - Var[R - V] / Var[R] over real tokens: 1 = the critic predicts the returns, 0 = no better than their mean."""
+def explained_variance(values, returns, mask):  # 1 - Var[R - V] / Var[R]: 1 = the critic predicts R, 0 = their mean
     mask = mask.bool()
     r, v = returns[mask], values[mask]
     return 1.0 - (r - v).var() / r.var().clamp(min=1e-8)
@@ -723,10 +681,8 @@ def gradient_sync(models, enabled: bool):  # DDP / FSDP2: all-reduce gradients i
 
 
 def ppo_update(policy, critic, policy_opt, critic_opt, batch: Rollout, cfg: Config, row_orders):
-    """ppo_epochs x minibatches optimizer steps on one batch; row_orders[e] is epoch e's row order (epoch 0's is the
-    one scoring used). Each micro-batch's loss is its share of its minibatch's over all ranks (loss_denominators);
-    gradients sync on the last micro-step. critic, critic_opt: None without a critic. A NaN/inf loss or grad norm
-    skips that step and the rest (earlier steps stand): returns {"nonfinite": where}."""
+    """ppo_epochs x minibatches optimizer steps; row_orders[e] is epoch e's row order (epoch 0's: scoring's). A
+    NaN/inf loss or grad norm skips that step and the rest (earlier steps stand): returns {"nonfinite": where}."""
     sums = {}  # each logged statistic, summed over the optimizer steps
     n_steps = 0
     first_ratio_max_dev = torch.zeros(())
@@ -772,8 +728,7 @@ def ppo_update(policy, critic, policy_opt, critic_opt, batch: Rollout, cfg: Conf
 
 
 def update_minibatches(batch: Rollout, cfg: Config, row_orders):
-    """The rows of each optimizer step, epoch by epoch: each row order split into --minibatches, less the rows without
-    a loss token when skip_loss_free_rows (a minibatch keeps one row, so that the ranks still step in lockstep)."""
+    """Each optimizer step's rows, less those without a loss token when skip_loss_free_rows (one stays: lockstep)."""
     minibatch_size = batch.response.shape[0] // cfg.minibatches
     minibatches = [rows for order in row_orders for rows in order.to(batch.response.device).split(minibatch_size)]
     has_loss = batch.loss_mask.any(1)  # (B,)
@@ -784,16 +739,14 @@ def update_minibatches(batch: Rollout, cfg: Config, row_orders):
 
 
 def skip_loss_free_rows(cfg: Config) -> bool:
-    """Whether the rows without a loss token (dropped flat groups, tokens past --max-token-age) skip every forward
-    after the reward. Only without a critic (GAE needs every row's values) and with the KL in the loss (a KL in the
-    reward enters the baselines); not under torchrun with micro-batches, whose counts must agree across ranks."""
+    """Whether rows without a loss token skip every forward after the reward: not with a critic (GAE needs every
+    row's values), a KL in the reward (it enters the baselines), or torchrun micro-batches (counts must agree)."""
     lockstep = torch.distributed.is_initialized() and (cfg.micro_batch_size or cfg.micro_batch_tokens)
     return not ADVANTAGES[cfg.advantage].critic and cfg.kl_in == "loss" and not lockstep
 
 
 def micro_step(policy, critic, mb: Rollout, cfg: Config, share: Share) -> dict:
-    """One micro-batch's forward and backward, as its share of the minibatch's loss: policy_objective, minus the
-    entropy bonus, plus with --kl-in loss kl_coef * the KL to the reference; the critic's value_loss."""
+    """One micro-batch's forward and backward: policy_objective - entropy bonus (+ kl_coef * KL), and value_loss."""
     inputs = model_inputs(mb, cfg)  # packed once for both models
     with autocast(cfg, mb.response.device):
         logprobs, entropy = rollout_logprobs(policy, mb, cfg, inputs)
@@ -818,10 +771,9 @@ def micro_step(policy, critic, mb: Rollout, cfg: Config, share: Share) -> dict:
 
 def loss_denominators(batch: Rollout, minibatches, cfg: Config):
     """Each minibatch's denominators over all ranks (/ world, as DDP averages gradients), so that its loss does not
-    depend on the split into micro-batches and ranks: its real tokens (the logged means) and --loss-agg's: the tokens
-    (token-mean); the sequences, each token weighted by 1 / its sequence's tokens (seq-mean-token-mean); sequences x
-    --response-length (seq-mean-token-sum-norm, Dr. GRPO: a long answer's tokens weigh no less). Returns (tokens (M,),
-    denominators (M,), row weights (B,) or None, empty (M,): no token on any rank, so ppo_update takes no step)."""
+    depend on the split into micro-batches and ranks. --loss-agg: token-mean: the tokens; seq-mean-token-mean: the
+    sequences, each token weighted by 1 / its sequence's tokens; seq-mean-token-sum-norm (Dr. GRPO): sequences x
+    --response-length. Returns (tokens (M,), denominators (M,), row weights (B,) or None, empty (M,))."""
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     lengths = batch.loss_mask.sum(1)  # (B,)
     counts = torch.stack([torch.stack([lengths[rows].sum(), (lengths[rows] > 0).sum()]) for rows in minibatches])
@@ -917,9 +869,12 @@ def train(cfg: Config, run, output_dir: str, threaded=None, ctx: Dist = Dist()):
 
 
 def setup(cfg: Config, ctx: Dist = Dist()):
-    """Tokenizer, policy (warmed up for the demo), frozen reference, critic, reward function and prompts. Everything
-    that can be checked cheaply (prompts, reward function, model paths, lengths) is, before the warm-up."""
-    device = run_device(cfg, ctx)
+    """Tokenizer, policy (warmed up for the demo), reference, critic, reward function, prompts; cheap checks first."""
+    name = cfg.device if cfg.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(f"cuda:{ctx.local_rank}" if name == "cuda" else name)  # torchrun: one GPU per local rank
+    if device.type == "cuda":  # the current device: Triton launches, streams, events and graphs use it
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = cfg.tf32  # fp32 matmuls (trainer, fp32 heads) in TF32: README
     dtype = getattr(torch, cfg.dtype)
     torch.manual_seed(cfg.seed)
     prompt_texts = load_prompts(cfg.prompts) if cfg.prompts else None
@@ -974,18 +929,7 @@ def setup(cfg: Config, ctx: Dist = Dist()):
     return dataclasses.make_dataclass("Run", run.keys())(**run)
 
 
-def run_device(cfg: Config, ctx: Dist):  # --device; under torchrun one GPU per local rank
-    name = cfg.device if cfg.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(f"cuda:{ctx.local_rank}" if name == "cuda" else name)
-    if device.type == "cuda":  # the current device: Triton launches, streams, events and graphs use it
-        torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.allow_tf32 = cfg.tf32  # fp32 matmuls (trainer, fp32 heads) in TF32: README
-    return device
-
-
-def load_policy(cfg: Config, device):
-    """The policy (--model, or the demo's) and its tokenizer, checked for what the sampler needs; fp32 master weights
-    (bf16 Adam updates round away). Returns (tokenizer, policy, stop ids, the sampled vocabulary)."""
+def load_policy(cfg: Config, device):  # -> (tokenizer, policy in fp32: bf16 Adam updates round away, stop ids, vocab)
     if cfg.model:
         from transformers import AutoModelForCausalLM, AutoTokenizer
         try:
@@ -1050,9 +994,8 @@ def stop_token_ids(tokenizer, model) -> list:
 
 
 def ensure_pad_token(tokenizer, model, stop_ids=()) -> int:
-    """A pad distinct from every stop id: masks never come from `ids == pad` here, but a pad equal to EOS is how other
-    code masks the real EOS out of the loss. Returns the sampled vocabulary: our added pad and the model's spare
-    embedding rows lie above it, so no completion holds them (sampler and scorer both cut the logits there)."""
+    """A pad distinct from every stop id (a pad equal to EOS is how other code masks the real EOS out of the loss).
+    Returns the sampled vocabulary: our added pad and the model's spare embedding rows lie above it."""
     if tokenizer.pad_token_id is None or tokenizer.pad_token_id in (tokenizer.eos_token_id, *stop_ids):
         tokenizer.add_special_tokens({"pad_token": PAD_TOKEN})
         if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:  # many vocabularies have spare rows already
@@ -1062,9 +1005,7 @@ def ensure_pad_token(tokenizer, model, stop_ids=()) -> int:
     return min(vocab, tokenizer.pad_token_id) if tokenizer.pad_token == PAD_TOKEN else vocab
 
 
-def disable_dropout(model: nn.Module):
-    """Dropout makes the scoring pass and the training pass see different networks, so the PPO ratio is not 1 on the
-    first minibatch (N+ detail). Zero every dropout module and every *dropout* probability in the config."""
+def disable_dropout(model: nn.Module):  # N+ detail: with dropout the first minibatch's ratio would not be 1
     for m in [*model.modules(), getattr(model, "config", None)]:  # HF attention layers read float attributes
         for key, value in (vars(m).items() if m is not None else ()):
             if "dropout" in key and isinstance(value, float):
@@ -1077,9 +1018,7 @@ def backbone_of(model):  # LlamaForCausalLM.model, Qwen2ForSequenceClassificatio
     return getattr(model, model.base_model_prefix)
 
 
-class ScalarHeadModel(nn.Module):
-    """A causal-LM backbone with a linear head to one scalar per token: the critic (value of the state before each
-    token) and the reward model (score at the last real token) are both this."""
+class ScalarHeadModel(nn.Module):  # the critic and the reward model: a causal-LM backbone, one scalar per token
 
     def __init__(self, backbone: nn.Module, head: nn.Linear):
         super().__init__()
@@ -1111,9 +1050,8 @@ def load_reward_model(path: str, device, dtype):  # -> (ScalarHeadModel, its tok
 
 
 def build_critic(policy, reward_model=None, same_tokenizer=False):
-    """A copy of the reward model when its tokenizer is the policy's (N+ detail: the value head starts from the reward
-    head, which already predicts the final score), else of the policy's backbone with a zero head, so the first
-    advantages are the rewards, not a random head's noise (which made the demo's accuracy collapse)."""
+    """A copy of the reward model when its tokenizer is the policy's (N+ detail: its head already predicts the score),
+    else of the policy's backbone with a zero head: a random head's noise made the demo's accuracy collapse."""
     if reward_model is not None and same_tokenizer:
         return copy.deepcopy(reward_model).to(torch.float32).requires_grad_(True).eval()
     backbone = copy.deepcopy(backbone_of(policy))
@@ -1126,9 +1064,7 @@ def decoder_layers(model):  # the transformer blocks: the longest ModuleList
     return max((m for m in model.modules() if isinstance(m, nn.ModuleList)), key=len)
 
 
-def checkpoint_layers(model):
-    """--gradient-checkpointing: each decoder layer keeps only its inputs and recomputes its activations in the
-    backward (non-reentrant torch.utils.checkpoint; works in eval mode, unlike transformers' own, and under FSDP2)."""
+def checkpoint_layers(model):  # non-reentrant: works in eval mode, unlike transformers' own, and under FSDP2
     for layer in decoder_layers(model):
         layer.forward = functools.partial(torch.utils.checkpoint.checkpoint, layer.forward, use_reentrant=False)
 
@@ -1138,9 +1074,7 @@ def outside_autocast(fn, hidden, dtype, *args, **kwargs):  # --bf16: a head comp
         return fn(hidden.to(dtype), *args, **kwargs)
 
 
-def fp32_head(model):
-    """--bf16: the lm_head outside autocast, in fp32, so the full logits and their post-processing (softcapping,
-    scaling: autocast leaves it in its input's dtype) are fp32, as on the fused path."""
+def fp32_head(model):  # --bf16: the lm_head in fp32, so the full logits and their post-processing are fp32
     head = model.get_output_embeddings()
     head.forward = functools.partial(outside_autocast, head.forward, dtype=head.weight.dtype)
 
@@ -1149,21 +1083,16 @@ def autocast(cfg: Config, device):  # --bf16: the trainer's forwards in bf16 aut
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.bf16)
 
 
-def make_optimizers(cfg: Config, policy, critic):
-    """AdamW per model (eps 1e-5: the N+ details), decayed linearly to 0 over --steps unless --no-lr-decay. Returns
-    (the policy's, the critic's or None, their schedules)."""
+def make_optimizers(cfg: Config, policy, critic):  # AdamW per model (eps 1e-5: N+), decayed linearly to 0 over --steps
     optimizers = [torch.optim.AdamW(model.parameters(), lr=lr, eps=cfg.adam_eps, weight_decay=cfg.weight_decay,
                                     fused=True)  # one kernel for all parameters, CPU and CUDA
                   for model, lr in ((policy, cfg.lr), (critic, cfg.critic_lr)) if model is not None]
-
-    def decay(step: int) -> float:  # the learning rates' factor after `step` updates
-        return max(0.0, 1.0 - step / cfg.steps) if cfg.lr_decay else 1.0
-    schedules = [torch.optim.lr_scheduler.LambdaLR(o, decay) for o in optimizers]
+    schedules = [torch.optim.lr_scheduler.LambdaLR(o, lambda step: max(0.0, 1.0 - step / cfg.steps) if cfg.lr_decay
+                                                   else 1.0) for o in optimizers]
     return optimizers[0], optimizers[1] if critic is not None else None, schedules
 
 
-def wrap_for_training(model, cfg: Config):
-    """Under torchrun: DDP (replicated, gradients all-reduced) or --fsdp FSDP2 (each decoder layer, then the root)."""
+def wrap_for_training(model, cfg: Config):  # torchrun: DDP, or --fsdp FSDP2 (each decoder layer, then the root)
     if not torch.distributed.is_initialized():
         return model
     device = next(model.parameters()).device
@@ -1219,9 +1148,7 @@ def load_reward_function(spec: str):  # the module is imported from the current 
 
 
 def format_prompts(tokenizer, texts, use_chat_template: bool, max_prompt_length: int, long_prompts="truncate"):
-    """Token ids per prompt: in the tokenizer's chat template (with the generation prompt) if it has one and
-    --chat-template is on, else the plain text with its special tokens. Long prompts keep their last tokens (the
-    question is usually at the end), or are refused."""
+    """Token ids per prompt, in the chat template if any; long ones keep their last tokens (the question), or fail."""
     if use_chat_template and getattr(tokenizer, "chat_template", None):
         texts = [tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
                                                add_generation_prompt=True) for t in texts]
@@ -1257,8 +1184,7 @@ def sampling_args(cfg: Config, pad_id: int, stop_ids, vocab=None) -> dict:  # ge
 
 @torch.no_grad()
 def reward_model_scores(reward_model, rm_tokenizer, policy_tokenizer, batch, use_chat_template, micro_batch_size):
-    """Each (prompt, completion)'s score at its last real token: the rollout's own tokens if the vocabularies match,
-    else the text, re-templated and re-tokenized for the reward model (with the EOS where the completion ended)."""
+    """Each sequence's score at its last real token: our tokens if the vocabularies match, else re-tokenized text."""
     if same_vocabulary(rm_tokenizer, policy_tokenizer):
         ids, mask, _ = full_sequence(batch)
     else:
@@ -1285,9 +1211,8 @@ def reward_model_scores(reward_model, rm_tokenizer, policy_tokenizer, batch, use
 
 
 def rule_scores(rule, batch: Rollout):
-    """(B,) a reward function's scores of a batch, checked: one number per completion, or a clear error. The function
-    gets the prompts and completions (strings) and, where it names them (or takes **kwargs), the token-level facts:
-    completion_ids (each completion's token ids, the stop token excluded) and ended (it emitted a stop token)."""
+    """(B,) a reward function's scores, checked. It gets prompts and completions and, where it names them (or takes
+    **kwargs), completion_ids (the stop token excluded) and ended (it emitted a stop token)."""
     lengths = (batch.response_mask.sum(-1) - batch.ended.long()).tolist()  # real tokens minus the stop token
     facts = {"completion_ids": [r[:n] for r, n in zip(batch.response.tolist(), lengths)],
              "ended": batch.ended.tolist()}
@@ -1313,8 +1238,7 @@ def rule_scores(rule, batch: Rollout):
 
 @torch.no_grad()
 def evaluate(policy, tokenizer, prompt_ids, prompt_texts, cfg: Config, seed: int, chunk=500):
-    """Sampled accuracy (temperature --temperature, the same sampling as training) on the given prompts; the
-    generator is re-seeded each time, so successive evaluations differ only by the weights."""
+    """Sampled accuracy (as training samples), re-seeded: successive evaluations differ only by the weights."""
     device = policy.device
     generator = torch.Generator(device).manual_seed(seed)
     correct = 0.0
@@ -1328,9 +1252,8 @@ def evaluate(policy, tokenizer, prompt_ids, prompt_texts, cfg: Config, seed: int
 
 
 def demo_warmup(policy, tokenizer, train_pairs, cfg: Config):
-    """Supervised warm-up until sampled accuracy on 256 training prompts reaches --demo-warmup-target, so PPO starts
-    from a policy that is sometimes right. Adaptive, not a fixed count: the jump comes anywhere from ~250 to 900+
-    steps depending on the seed. Cached on disk by (model config, vocabulary, seed, warm-up settings)."""
+    """Supervised warm-up until --demo-warmup-target, so PPO starts from a policy that is sometimes right; adaptive:
+    the jump comes anywhere from ~250 to 900+ steps depending on the seed. Cached on disk."""
     key = json.dumps([policy.config.to_json_string(), sorted(tokenizer.get_vocab().items()), cfg.seed,
                       cfg.demo_warmup_lr, cfg.demo_warmup_target, cfg.demo_warmup_max_steps, "v3"])
     name = f"demo-warmup-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
@@ -1374,19 +1297,15 @@ def demo_warmup(policy, tokenizer, train_pairs, cfg: Config):
                 break
     print(f"\nwarm-up: {step} steps in {time.time() - t0:.1f} s, sampled train accuracy {accuracy:.2f}")
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    saved = {"state_dict": policy.state_dict(), "steps": step, "accuracy": accuracy}
-    torch.save(saved, path + ".tmp")
+    torch.save({"state_dict": policy.state_dict(), "steps": step, "accuracy": accuracy}, path + ".tmp")
     os.replace(path + ".tmp", path)  # a killed run never leaves half a cache entry
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # the overlapped loop's machinery: sampler thread, bounded queue, packed weight sync, timing
-#
-# Generation dominates RL wall-clock time and leaves the trainer idle, so (as verl, AReaL, PipelineRL, PRIME-RL do)
-# a sampler copy of the policy generates the next batches while the trainer updates on the current one (train()).
-# A thread rather than cooperative interleaving: every PyTorch op releases the GIL, so the sampler's Python-bound
-# decode loop runs while the trainer's kernels run, and on CUDA the two threads' kernels go to separate streams and
-# overlap on the device, without either side having to yield at hand-picked points.
+# Generation dominates RL wall-clock time, so (as verl, AReaL, PipelineRL, PRIME-RL) a sampler copy of the policy
+# generates the next batches while the trainer updates. A thread: every PyTorch op releases the GIL, and on CUDA the
+# two threads' kernels go to separate streams and overlap, with no hand-picked yield points.
 
 
 def sampler_copy(policy):  # the sampler's inference copy of the policy: bf16 on GPU, no gradients
