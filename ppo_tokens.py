@@ -504,15 +504,17 @@ def top_entropy_tokens(batch: Rollout, cfg: Config, fraction=0.2):
     """Only the 20% highest-entropy loss tokens (the "forking" tokens; Wang et al. 2025, "Beyond the 80/20 rule"), by
     the proximal policy's entropy over the whole batch (all ranks')."""
     mask = batch.loss_mask.bool()
-    if not mask.any():
+    k = math.ceil(round(fraction * int(all_reduce(mask.sum())), 6))  # of every rank's loss tokens
+    if k == 0:  # (after the collective: every rank takes part, also one without loss tokens)
         return mask
     entropy = batch.entropy[mask]
-    if torch.distributed.is_initialized():  # every rank's tokens: the cut does not depend on the world size
-        parts = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(parts, entropy.cpu())
-        entropy = torch.cat(parts).to(mask.device)
-    k = math.ceil(round(fraction * len(entropy), 6))  # (topk, not torch.quantile, which refuses over 2^24 tokens)
-    return mask & (batch.entropy >= entropy.topk(k).values[-1])
+    top = torch.full((k,), -math.inf, dtype=entropy.dtype, device=mask.device)  # this rank's k highest, -inf padded
+    top[:min(k, len(entropy))] = entropy.topk(min(k, len(entropy))).values
+    if torch.distributed.is_initialized():  # the cut over every rank's tokens: it does not depend on the world size
+        parts = [torch.empty_like(top) for _ in range(torch.distributed.get_world_size())]
+        torch.distributed.all_gather(parts, top)
+        top = torch.cat(parts)
+    return mask & (batch.entropy >= top.topk(k).values[-1])  # (topk: torch.quantile refuses over 2^24 tokens)
 
 
 PG_MASKS = {"all": all_loss_tokens, "top-entropy": top_entropy_tokens}
