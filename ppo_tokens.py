@@ -639,7 +639,7 @@ def policy_objective(logprobs, mb: Rollout, cfg: Config, share: Share = Share())
     token_loss, token_stats = POLICY_LOSSES[cfg.policy_loss](logprobs, mb, cfg)
     if mb.is_weight is not None:
         token_loss = token_loss * mb.is_weight
-    loss = aggregate(token_loss, mb.loss_mask if mb.pg_mask is None else mb.pg_mask, share)
+    loss = aggregate(token_loss, mb.pg_mask, share)
     with torch.no_grad():
         log_ratio = logprobs - mb.old_logprobs
         stats = {k: masked_mean(v.to(logprobs.dtype), mb.loss_mask, share.tokens) for k, v in token_stats.items()}

@@ -581,7 +581,8 @@ def test_mismatch_correction_weights_fresh_tokens_too_and_logs_the_mismatch(toke
 
 
 def objective(logp, old, adv, mask, share=pt.Share(), is_weight=None, pg_mask=None, **cfg):  # policy_objective
-    mb = SimpleNamespace(old_logprobs=old, advantages=adv, loss_mask=mask, is_weight=is_weight, pg_mask=pg_mask)
+    mb = SimpleNamespace(old_logprobs=old, advantages=adv, loss_mask=mask, is_weight=is_weight,
+                         pg_mask=mask if pg_mask is None else pg_mask)  # (score_trainer's PG_MASKS mask)
     return pt.policy_objective(logp, mb, pt.Config(**cfg), share)
 
 
