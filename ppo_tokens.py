@@ -913,11 +913,12 @@ def setup(cfg: Config, ctx: Dist = Dist()):
         demo_warmup(policy, tokenizer, train_pairs, cfg)
         if ctx.rank == 0 and ctx.world > 1:
             torch.distributed.barrier()
+    unpackable = ""  # why packed forwards cannot be used
     if cfg.micro_batch_tokens:
         if cfg.micro_batch_tokens < longest + cfg.response_length:
             raise SystemExit(f"--micro-batch-tokens {cfg.micro_batch_tokens} is less than the longest sequence (a "
                              f"{longest}-token prompt + --response-length {cfg.response_length}); raise it")
-        use_packed_attention(backbone_of(policy), cfg.bf16)  # before the copies: the reference and sampler inherit it
+        unpackable = use_packed_attention(backbone_of(policy), cfg.bf16)  # before the copies, which inherit it
     reference = cast_parameters(copy.deepcopy(policy), dtype).requires_grad_(False)
     run["reference"] = Actor(reference, cfg.temperature, cfg.full_logits, vocab)
     run["critic"] = None
@@ -925,8 +926,15 @@ def setup(cfg: Config, ctx: Dist = Dist()):
     if ADVANTAGES[cfg.advantage].critic:
         run["critic"] = build_critic(policy, reward_model, same_tokenizer)
         critic_from = f"critic from {'the reward model' if same_tokenizer else 'the policy, zero-initialised head'}"
-        if cfg.micro_batch_tokens:  # (a critic from the reward model: its own attention)
-            use_packed_attention(run["critic"].backbone, cfg.bf16)
+        if cfg.micro_batch_tokens and not unpackable:  # (a critic from the reward model: its own attention)
+            unpackable = use_packed_attention(run["critic"].backbone, cfg.bf16)
+    if unpackable:  # padded micro-batches of as many rows as the token budget holds at the longest padded length
+        fits = cfg.micro_batch_tokens // (longest + cfg.response_length)
+        rows = max(r for r in range(1, fits + 1) if cfg.batch_size // cfg.minibatches // ctx.world % r == 0)
+        fall_back(f"--micro-batch-tokens off: {unpackable}; padded micro-batches of {rows} rows instead "
+                  f"(--micro-batch-size {rows})")
+        cfg.micro_batch_tokens = 0
+        cfg.micro_batch_size = rows
     print(f"policy {sum(p.numel() for p in policy.parameters()) / 1e6:.2f}M parameters on {device}; {critic_from}")
     return dataclasses.make_dataclass("Run", run.keys())(**run)
 
@@ -1351,8 +1359,7 @@ class WeightSync:
         if src is not None:
             dst.copy_(src)
         else:
-            for p, view in zip(self.policy.parameters(), dst.split([p.numel() for p in self.policy.parameters()])):
-                view.copy_(p.full_tensor().reshape(-1))
+            gather_shards(list(self.policy.parameters()), dst)
         if self.cuda:  # done before the lock is released, so the other thread's next copy (its stream) comes after it
             torch.cuda.current_stream().synchronize()
         self.seconds[name] = time.perf_counter() - start
@@ -1377,6 +1384,20 @@ class WeightSync:
         with self.lock:
             while self.version < version and not stop.is_set():
                 self.lock.wait(0.05)
+
+
+def gather_shards(params, dst):
+    """dst (flat) <- FSDP2's parameters, every rank's shards in one all-gather (not one per parameter). FSDP2 cuts each
+    parameter along dim 0 as torch.chunk does: ceil(rows / world) rows per rank, fewer or none on the last ranks."""
+    world = torch.distributed.get_world_size()
+    widths = [-(-p.shape[0] // world) * (p.numel() // p.shape[0]) for p in params]  # one rank's share, padded
+    shards = dst.new_zeros(sum(widths))
+    for p, piece in zip(params, shards.split(widths)):
+        piece[:p.to_local().numel()].copy_(p.to_local().reshape(-1))
+    gathered = dst.new_empty(world * shards.numel())  # (world, S) flat: gloo refuses a 2-D output
+    torch.distributed.all_gather_into_tensor(gathered, shards)
+    for p, full, view in zip(params, gathered.view(world, -1).split(widths, 1), dst.split([p.numel() for p in params])):
+        view.copy_(full.reshape(-1)[:p.numel()])  # the ranks' pieces in order, their padding at the end
 
 
 class Tracer:
@@ -1443,6 +1464,8 @@ class Producer:
     def _run(self, start: int, n: int):
         if self.stream is None:  # CPU: the Python-bound decode needs one core; the trainer keeps the others
             torch.set_num_threads(1)  # (intra-op threads are per calling thread)
+        else:  # a new thread's current device is cuda:0; torch.cuda.stream() would set it and open a context there
+            torch.cuda.set_device(self.stream.device)
         try:
             for i in range(start, n):
                 batch = self._produce(i)
@@ -2036,9 +2059,10 @@ def bench_update(cfg: Config, run):  # part (2) of --bench-rollout: packed vs pa
     for layout, c in (("padded", dataclasses.replace(cfg, micro_batch_size=rows, micro_batch_tokens=0)),
                       ("packed", dataclasses.replace(cfg, micro_batch_size=0, micro_batch_tokens=budget))):
         actor, reference = copy.deepcopy(policy), copy.deepcopy(run.reference)
-        if layout == "packed":
-            use_packed_attention(backbone_of(actor), cfg.bf16)
-            use_packed_attention(backbone_of(reference.policy), cfg.bf16)
+        unpackable = layout == "packed" and (use_packed_attention(backbone_of(actor), cfg.bf16)
+                                             or use_packed_attention(backbone_of(reference.policy), cfg.bf16))
+        if unpackable:
+            raise SystemExit(f"--bench-rollout: {unpackable}")
         critic = build_critic(actor) if ADVANTAGES[c.advantage].critic else None
         for model in [m for m in (actor, critic) if m is not None and cfg.gradient_checkpointing]:
             checkpoint_layers(model)

@@ -25,6 +25,7 @@ import statistics
 import subprocess
 import sys
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -329,7 +330,7 @@ def test_packed_scoring_equals_padded_scoring(tokenizer, family):
     padded = pt.sequence_logprobs(policy, *pt.full_sequence(batch), batch.response, batch.response_mask, 0.8,
                                   batch.kept_ids)
     padded_values = pt.critic_values(padded_critic, batch)
-    pt.use_packed_attention(pt.backbone_of(policy))
+    kernels.use_ppo_attention(pt.backbone_of(policy))  # (float64: use_packed_attention's bf16 noise would be 0)
     critic = pt.build_critic(policy)
     critic.head.weight.data.copy_(padded_critic.head.weight)
     *inputs, layout = pt.packed_inputs(batch)
@@ -347,8 +348,7 @@ def test_packed_scoring_equals_padded_scoring(tokenizer, family):
     from transformers import MistralConfig, MistralForCausalLM  # sliding windows are refused, not silently ignored
     sliding = MistralForCausalLM(MistralConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1,
                                                num_attention_heads=4, num_key_value_heads=2, sliding_window=3))
-    with pytest.raises(SystemExit, match="cannot run packed"):
-        pt.use_packed_attention(pt.backbone_of(sliding))
+    assert "MistralModel cannot run packed (sliding-window" in pt.use_packed_attention(pt.backbone_of(sliding))
 
 
 def test_reward_model_scores_at_last_token_with_same_or_different_tokenizer(tokenizer):
@@ -868,9 +868,8 @@ def test_packed_training_matches_padded_training(tokenizer, monkeypatch):
     for packed in (False, True):
         cfg, policy, reference, critic, batch = tiny_setup(tokenizer, **({"micro_batch_tokens": 20} if packed else {}))
         if packed:
-            pt.use_packed_attention(pt.backbone_of(policy))
-            pt.use_packed_attention(critic.backbone)
-            pt.use_packed_attention(pt.backbone_of(reference))
+            for backbone in (pt.backbone_of(policy), critic.backbone, pt.backbone_of(reference)):
+                assert pt.use_packed_attention(backbone) == ""
             sizes.clear()  # (the checks' packed batches)
         orders = [torch.randperm(8, generator=torch.Generator().manual_seed(0)) for _ in range(cfg.ppo_epochs)]
         score(batch, policy, reference, critic, lambda b: torch.arange(8.0), cfg, orders[0])
@@ -1367,6 +1366,32 @@ def test_a_groups_shared_prompt_is_prefilled_once_and_samples_the_plain_loops_to
     hook.remove()
 
 
+def test_the_shared_prefill_check_allows_the_unshared_prefills_own_row_count_noise(tokenizer, monkeypatch):
+    policy = tiny_llama(len(tokenizer), seed=2, dtype=torch.float32).requires_grad_(False)
+    decoder = pt.fast_decoder(policy, 8, 20, pt.PlainDecoder, group=4)
+    assert decoder.shared is not None
+    monkeypatch.setattr(kernels, "agrees_with_plain_loop", lambda *args: None)  # the cache comparison alone
+
+    def row_count_noise(module, args, kwargs, output):  # an 8-row prefill's keys 10% off a 2-row one's (bf16 GEMMs
+        if kwargs["input_ids"].shape == (8, 3):  # differ with the row count; 10%: beyond a fixed tolerance of 0.02)
+            for layer in kwargs[decoder.cache_kwarg].layers:
+                layer.keys.mul_(1.1)
+    hook = policy.register_forward_hook(row_count_noise, with_kwargs=True)
+    kernels.share_prefill_checked(decoder, policy, 8, pt.PlainDecoder, "Llama")  # (strict: an error if it fell back)
+    hook.remove()
+    assert decoder.shared is not None
+    repeat_cache_rows = kernels.repeat_cache_rows
+
+    def misplaced(source, target, group):  # a copy one row off
+        repeat_cache_rows(source, target, group)
+        for layer in target.layers:
+            layer.keys.copy_(layer.keys.roll(1, 0))
+    monkeypatch.setattr(kernels, "repeat_cache_rows", misplaced)
+    with pytest.raises(RuntimeError, match="shared prefill off for Llama \\(its cache differs"):
+        kernels.share_prefill_checked(decoder, policy, 8, pt.PlainDecoder, "Llama")
+    assert decoder.shared is None
+
+
 @slow
 def test_a_compiled_shared_prefill_does_not_recompile_in_the_sampler_thread(tokenizer):
     """One row per group (a rank's rows = --samples-per-prompt): the shared prefill's 1-row batch is compiled at
@@ -1421,7 +1446,7 @@ def test_flash_attn_is_imported_to_detect_it_and_packing_is_checked_under_autoca
         kernels.flash_attn_varlen.cache_clear()
         sys.modules.pop("flash_attn", None)
     policy = tiny_llama(16, dtype=torch.float32)
-    pt.use_packed_attention(policy.model, bf16=True)  # packed == padded in fp32 and under bf16 autocast
+    assert pt.use_packed_attention(policy.model, bf16=True) == ""  # packed == padded in fp32 and under bf16 autocast
     # a packed path that only goes wrong under autocast (as a broken flash-attn would)
     attention = kernels.ppo_attention
 
@@ -1430,12 +1455,30 @@ def test_flash_attn_is_imported_to_detect_it_and_packing_is_checked_under_autoca
         return (out.flip(1) if packed_layout is not None and torch.is_autocast_enabled("cpu") else out), None
     monkeypatch.setattr(kernels, "ppo_attention", broken)  # (use_ppo_attention registers it)
     try:
-        pt.use_packed_attention(policy.model, bf16=False)
-        with pytest.raises(SystemExit, match="under --bf16"):
-            pt.use_packed_attention(policy.model, bf16=True)
+        assert pt.use_packed_attention(policy.model, bf16=False) == ""
+        assert "LlamaModel cannot run packed (hidden states under --bf16" in pt.use_packed_attention(policy.model, True)
     finally:
         monkeypatch.undo()
         kernels.use_ppo_attention(policy.model)  # the real one registered again, for the other tests
+
+
+def test_packed_micro_batches_that_disagree_fall_back_to_padded_ones_that_train(tmp_path, monkeypatch):
+    right_padded = kernels._right_padded
+
+    def shifted(x, layout):  # a packed path that attends to the wrong positions
+        return right_padded(x, layout).roll(1, dims=2)
+    monkeypatch.setattr(kernels, "_right_padded", shifted)
+    args = [*TINY, "--steps", "1", "--micro-batch-size", "0", "--micro-batch-tokens", "40"]
+    with pytest.raises(RuntimeError, match="PPO_TOKENS_STRICT=1: --micro-batch-tokens off: LlamaModel cannot run "
+                                           "packed \\(hidden states [0-9.]+ from padded ones, over 4x"):
+        run_main([*args, "--output-dir", tmp_path / "strict"], tmp_path)
+    monkeypatch.delenv("PPO_TOKENS_STRICT")
+    out = run_script([*args, "--output-dir", tmp_path / "run"], tmp_path)
+    # a minibatch of 8 rows; 40 tokens hold 3 padded rows of 7 prompt + 4 response tokens: micro-batches of 2
+    assert "; padded micro-batches of 2 rows instead (--micro-batch-size 2)" in out
+    config = json.load(open(tmp_path / "run/config.json"))
+    assert (config["micro_batch_tokens"], config["micro_batch_size"]) == (0, 2)
+    check_outputs(tmp_path / "run", 1)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1619,7 +1662,14 @@ def digest_script(cwd):
         "def digest_then_finish(t):\n"
         "    digest = hashlib.sha256(t.sync.staging.view(torch.uint8).cpu().numpy().tobytes()).hexdigest()[:16]\n"
         "    digests = [None] * t.ctx.world\n    torch.distributed.all_gather_object(digests, digest)\n"
-        "    print('actor weights (sha256) on each rank:', *digests, flush=True)\n    finish_training(t)\n"
+        "    print('actor weights (sha256) on each rank:', *digests, flush=True)\n"
+        "    if t.sync.trainer_flat is None:  # FSDP2: a publish gathers every parameter's shards in one collective\n"
+        "        from torch.distributed.tensor.debug import CommDebugMode\n"
+        "        with CommDebugMode() as comm:\n            t.sync.publish(t.sync.version)\n"
+        "        full = torch.cat([p.full_tensor().reshape(-1) for p in t.sync.policy.parameters()])\n"
+        "        print('publish:', comm.get_total_counts(), 'collective, the trainer\\'s weights:',\n"
+        "              torch.equal(full.to(t.sync.staging.dtype), t.sync.staging), flush=True)\n"
+        "    finish_training(t)\n"
         "ppo_tokens.finish_training = digest_then_finish\nppo_tokens.main(sys.argv[1:])\n")
     return str(cwd / "train_and_digest.py")
 
@@ -1722,7 +1772,9 @@ def test_torchrun_two_ranks_ddp_and_fsdp2_train_resume_and_stay_identical(tmp_pa
     assert [r["step"] for r in read_metrics(tmp_path / "ddp")] == [0, 1, 2, 3]
     assert sorted(p.name for p in tmp_path.rglob("metrics.jsonl")) == ["metrics.jsonl"]  # written once, by rank 0
     check_outputs(tmp_path / "ddp", 3)
-    fsdp = digests(torchrun([*args, "--fsdp", "--output-dir", str(tmp_path / "fsdp")], tmp_path).stdout)
+    out = torchrun([*args, "--fsdp", "--output-dir", str(tmp_path / "fsdp")], tmp_path).stdout
+    fsdp = digests(out)
+    assert "publish: 1 collective, the trainer's weights: True" in out
     # FSDP2 holds one copy of each weight (its digest is of a gather, equal on every rank by construction): its
     # update must be DDP's, up to the order of the gradient reductions
     ddp_policy, fsdp_policy = (AutoModelForCausalLM.from_pretrained(tmp_path / d / "policy") for d in ("ddp", "fsdp"))
@@ -2164,6 +2216,54 @@ def test_linear_all_rows_masked_and_no_grad():
 
 
 
+def no_c_compiler(*args):  # what Triton's first compile raises on a machine without a C compiler
+    raise RuntimeError("Failed to find C compiler. Please specify via CC environment variable or set triton.knobs.")
+
+
+def test_triton_kernels_that_cannot_compile_fall_back_to_the_torch_path(monkeypatch, capsys):
+    device = torch.device(KERNEL_DEVICE)  # (CPU: the Triton interpreter)
+    kernels.triton_works.cache_clear()
+    try:
+        assert kernels.triton_works(device)
+        kernels.triton_works.cache_clear()
+        monkeypatch.setattr(kernels, "_launch", no_c_compiler)
+        with pytest.raises(RuntimeError, match="STRICT=1: Triton kernels off \\(Failed to find C compiler"):
+            kernels.triton_works(device)
+        monkeypatch.delenv("PPO_TOKENS_STRICT")
+        assert not kernels.triton_works(device)
+        assert "the torch path. Triton compiles with a C compiler and the Python development headers" in \
+            capsys.readouterr().out
+    finally:
+        kernels.triton_works.cache_clear()
+
+
+def test_two_threads_never_launch_a_triton_kernel_at_once(monkeypatch):
+    """Triton compiles a kernel variant at its first launch, which is not thread-safe: launches take turns."""
+    kernel, spans, barrier = kernels._logprob_fwd_kernel, [], threading.Barrier(2)
+
+    class Launches:  # kernel[grid](...), timed, with a pause: two launches at once would overlap
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                start = time.perf_counter()
+                time.sleep(0.2)
+                kernel[grid](*args, **kwargs)
+                spans.append((start, time.perf_counter()))
+            return launch
+    monkeypatch.setattr(kernels, "_logprob_fwd_kernel", Launches())
+    logits, tokens = torch.randn(3, 40, device=KERNEL_DEVICE), torch.zeros(3, dtype=torch.long, device=KERNEL_DEVICE)
+
+    def score():
+        barrier.wait()
+        kernels.token_logprobs(logits, tokens, backend="triton")
+    threads = [threading.Thread(target=score) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    (_, first_end), (second_start, _) = sorted(spans)
+    assert first_end <= second_start
+
+
 def test_a_script_in_this_directory_loads_a_model_with_the_hubs_kernels_package(tmp_path):
     """kernels.py shares its name with the Hugging Face Hub's `kernels` package, which transformers imports: a user's
     script run in this directory (where `import kernels` finds our file first) must still load a model."""
@@ -2331,6 +2431,63 @@ def test_cuda_torchrun_nccl(tmp_path, fsdp):
                         "--output-dir", str(tmp_path / f"run{nproc}")], tmp_path, nproc=nproc).stdout
         assert len(set(digests(out))) == 1
         cuda_records(tmp_path / f"run{nproc}", 3)
+
+
+@cuda
+def test_cuda_auto_backend_takes_the_torch_path_when_triton_cannot_compile(monkeypatch, capsys):
+    monkeypatch.setattr(kernels, "_launch", no_c_compiler)
+    monkeypatch.delenv("PPO_TOKENS_STRICT")
+    kernels.triton_works.cache_clear()
+    try:
+        logits, tokens = torch.randn(4, 50, device="cuda"), torch.randint(0, 50, (4,), device="cuda")
+        got, want = kernels.token_logprobs(logits, tokens), kernels.token_logprobs(logits, tokens, backend="torch")
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        assert "Triton kernels off (Failed to find C compiler" in capsys.readouterr().out
+    finally:
+        kernels.triton_works.cache_clear()
+
+
+@cuda
+def test_cuda_a_flash_attn_that_fails_its_first_call_falls_back_to_sdpa(monkeypatch, capsys):
+    calls = []
+
+    def failing(*args, **kwargs):  # imports, fails at its first call (a wheel without this GPU's kernels)
+        calls.append(1)
+        raise RuntimeError("FlashAttention only supports Ampere GPUs or newer.")
+    monkeypatch.setattr(kernels, "flash_attn_varlen", lambda: failing)
+    monkeypatch.setattr(kernels, "_flash_attn_failed", False)
+    policy = tiny_llama(16, dtype=torch.float32).cuda()
+    assert "(PPO_TOKENS_STRICT=1: flash-attn fails (FlashAttention only" in pt.use_packed_attention(policy.model, True)
+    monkeypatch.delenv("PPO_TOKENS_STRICT")
+    assert pt.use_packed_attention(policy.model, bf16=True) == ""  # the SDPA packed path, checked
+    assert "flash-attn fails (FlashAttention only supports Ampere" in capsys.readouterr().out
+    assert kernels._flash_attn_failed and len(calls) == 2  # (once per check), and never again
+    assert pt.use_packed_attention(policy.model, bf16=True) == "" and len(calls) == 2
+
+
+@cuda
+def test_cuda_the_sampler_thread_sets_its_device_first(tmp_path, monkeypatch):
+    """--device cuda:N: the sampler thread's CUDA calls must not fall to cuda:0 (a context there, ~0.5 GB)."""
+    write_reward_module(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    device, seen = torch.device(f"cuda:{torch.cuda.device_count() - 1}"), []
+    set_device, make_batch = torch.cuda.set_device, pt.make_batch
+
+    def spy_set_device(d):
+        seen.append((threading.current_thread().name, "set", torch.device(d)))
+        set_device(d)
+
+    def spy_make_batch(*args):
+        seen.append((threading.current_thread().name, "current", torch.device("cuda", torch.cuda.current_device())))
+        return make_batch(*args)
+    monkeypatch.setattr(torch.cuda, "set_device", spy_set_device)
+    monkeypatch.setattr(pt, "make_batch", spy_make_batch)
+    cfg = pt.parse_config([*LOOP, "--device", str(device), "--steps", "2", "--output-dir", str(tmp_path / "run")])
+    run = pt.setup(cfg)
+    os.makedirs(cfg.output_dir)
+    pt.train(cfg, run, cfg.output_dir, threaded=True)
+    in_thread = [s[1:] for s in seen if s[0] == "ppo_tokens-sampler"]
+    assert in_thread[0] == ("set", device) and in_thread[1:] == [("current", device)] * 2
 
 
 def relative_error(a, b):  # in norm: most of the 152k gradients are ~1e-6
