@@ -2178,9 +2178,13 @@ def test_linear_matches_reference(backend, dtype, use_kept):
     w_ref = weight.double().requires_grad_()
     # Our chunks' logits are rounded to the input dtype (as any lm_head output is), so the reference takes those
     # rounded values with the gradient of the exact product (straight-through): it then tests the kernels, not the
-    # precision of bf16 logits.
+    # precision of bf16 logits. The same values: ours multiplies the real rows in chunks of 8, and a GEMM's bf16
+    # result can depend on its row count (cuBLAS picks its kernel by shape), so the reference's chunks are those.
+    real = hidden[mask]                                                                 # (n, H)
+    rounded = torch.zeros(B, T, vocab, dtype=dtype)
+    rounded[mask] = torch.cat([real[r0:r0 + 8] @ weight.T for r0 in range(0, len(real), 8)])
     logits_ref = h_ref @ w_ref.T
-    logits_ref = logits_ref + ((hidden @ weight.T).double() - logits_ref).masked_fill(~mask[..., None], 0.0).detach()
+    logits_ref = logits_ref + (rounded.double() - logits_ref).masked_fill(~mask[..., None], 0.0).detach()
     want = kernels.token_logprobs(logits_ref, tokens, 0.7, mask=mask, kept_ids=kept, backend="torch")
     hidden[~mask] = float("nan")  # masked rows' hidden states are garbage: never multiplied
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
