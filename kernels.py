@@ -67,8 +67,7 @@ if __name__ == "kernels":
 BLOCK_V = 4096
 _TORCH_CHUNK_ELEMS = 1 << 22  # the torch path's row chunks: at most 16 MB of float32 temporaries per chunk
 _LINEAR_CHUNK_BYTES = 256 << 20  # linear_token_logprobs: at most this many bytes of float32 logits per chunk
-# Sampler and trainer threads launch the kernels; Triton's compile at a variant's first launch is not thread-safe
-_LAUNCH_LOCK = threading.Lock()
+_LAUNCH_LOCK = threading.Lock()  # sampler and trainer threads launch the kernels: Triton's compile is not thread-safe
 
 
 # ---------------------------------------------------------------------------------------------------- shared helpers
@@ -82,13 +81,10 @@ def _pick_backend(backend, x):  # float64 (the tests' reference) always takes th
 
 @functools.cache
 def triton_works(device) -> bool:
-    """Whether the Triton kernels compile and run on device, once per device (at set-up: fused_head_agrees calls
-    first); else the torch path, with a message (fall_back)."""
-    try:
-        with torch.enable_grad():  # (its first callers run under no_grad)
-            logits = torch.randn(2, 64, device=device, requires_grad=True)
-            logp = token_logprobs(logits, torch.zeros(2, dtype=torch.long, device=device), backend="triton")[0]
-            logp.sum().backward()
+    """Whether the Triton kernels compile and run on device: once, at set-up (fused_head_agrees calls it first)."""
+    try:  # (a forward compiles as the backward does)
+        token_logprobs(torch.zeros(2, 64, device=device), torch.zeros(2, dtype=torch.long, device=device), 1.0,
+                       backend="triton")
         return True
     except Exception as e:  # e.g. its first compile's launcher found no C compiler or no Python.h
         fall_back(f"Triton kernels off ({str(e).splitlines()[0][:200]}); log-probs on the torch path. Triton "
@@ -526,19 +522,21 @@ def fused_head_agrees(model, vocab=None) -> bool:
     return bool(torch.allclose(fused, full, rtol=1e-4, atol=1e-4))
 
 
-_flash_attn_failed = False  # set when flash-attn fails its first call (use_packed_attention): SDPA then
-
-
 @functools.cache
-def flash_attn_varlen():  # flash-attn's varlen kernel, or None; imported once: a wheel built for another torch
-    if importlib.util.find_spec("flash_attn") is None:  # fails here, at set-up, not in the first packed forward
+def flash_attn_varlen():
+    """flash-attn's varlen kernel, or None: imported and called once, at set-up, on the current CUDA device (a wheel
+    built for another torch fails to import, one without this GPU's kernels fails its first call)."""
+    if importlib.util.find_spec("flash_attn") is None:
         return None
     try:
         from flash_attn import flash_attn_varlen_func
+        q = torch.zeros(2, 1, 64, dtype=torch.bfloat16, device="cuda")  # (2 tokens, 1 head, d 64)
+        cu_seqlens = torch.tensor([0, 2], dtype=torch.int32, device="cuda")
+        flash_attn_varlen_func(q, q, q, cu_seqlens, cu_seqlens, 2, 2, causal=True)
         return flash_attn_varlen_func
     except Exception as e:
-        fall_back(f"flash-attn is installed but does not import ({str(e).splitlines()[0][:200]}); packed attention "
-                  "runs through SDPA")
+        fall_back(f"flash-attn is installed but does not import or run ({str(e).splitlines()[0][:200]}); packed "
+                  "attention runs through SDPA")
 
 
 def ppo_attention(module, query, key, value, attention_mask, packed_layout=None, grouped_decode=False, **kwargs):
@@ -561,7 +559,7 @@ def ppo_attention(module, query, key, value, attention_mask, packed_layout=None,
     layout, device = packed_layout, query.device.type
     # under --bf16 autocast q and k leave RoPE in fp32 while v is bf16: flash-attn gets all three in the autocast dtype
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else query.dtype
-    if query.is_cuda and dtype in (torch.bfloat16, torch.float16) and flash_attn_varlen() and not _flash_attn_failed:
+    if query.is_cuda and dtype in (torch.bfloat16, torch.float16) and flash_attn_varlen() is not None:
         q, k, v = (x[0].transpose(0, 1).to(dtype) for x in (query, key, value))  # (N, heads, d)
         return flash_attn_varlen()(q, k, v, layout["cu_seqlens"], layout["cu_seqlens"], layout["width"],
                                    layout["width"], softmax_scale=scaling, causal=True)[None], None
@@ -601,11 +599,9 @@ def use_ppo_attention(model) -> bool:  # model (or a backbone) attends through p
 
 
 def use_packed_attention(backbone, bf16=False) -> str:
-    """Let a transformers backbone run packed forwards (ppo_attention) if, on a ragged batch, packed hidden states are
-    no further from the padded fp32 ones than 4x the padded forward's own bf16 rounding (its noise, measured here on
-    this model and device), also under --bf16's autocast (flash-attn's path; SDPA, with a message, if flash-attn fails
-    its first call). Returns "" or why packed forwards cannot be used."""
-    global _flash_attn_failed
+    """Let a transformers backbone run packed forwards (ppo_attention) if on a ragged batch their hidden states lie
+    within 4x the padded forward's own bf16 rounding (measured here) of the padded fp32 ones, also under --bf16's
+    autocast (flash-attn's path where it runs). Returns "" or why not."""
     if not use_ppo_attention(backbone):
         raise SystemExit(f"--micro-batch-tokens packs sequences through SDPA; {type(backbone).__name__} uses "
                          f"{backbone.config._attn_implementation!r} attention. Leave --micro-batch-tokens at 0")
@@ -619,31 +615,22 @@ def use_packed_attention(backbone, bf16=False) -> str:
     padded = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
     packed = dict(zip(("input_ids", "attention_mask", "position_ids", "packed_layout"),
                       pack_sequences(input_ids, attention_mask, prompt_mask.sum(1), response_mask)))
-    try:
-        exact = _real_hidden_states(backbone, padded, False)
-        noise = (_real_hidden_states(backbone, padded, True) - exact).norm()  # ~2^-8 relative, grows with depth
-        for mixed in (False, True) if bf16 else (False,):
-            try:
-                error = (_real_hidden_states(backbone, packed, mixed) - exact).norm()
-            except Exception as e:
-                if not (mixed and device.type == "cuda" and flash_attn_varlen() and not _flash_attn_failed):
-                    raise
-                fall_back(f"flash-attn fails ({str(e).splitlines()[0][:200]}); packed attention runs through SDPA")
-                _flash_attn_failed = True
-                error = (_real_hidden_states(backbone, packed, mixed) - exact).norm()
+    try:  # the real tokens' (n, H) hidden states in fp32: padded, padded in bf16, packed (and packed in bf16)
+        hidden = []
+        for inputs, mixed in [(padded, False), (padded, True), (packed, False)] + [(packed, True)] * bf16:
+            with torch.no_grad(), ieee_fp32(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=mixed):
+                out = backbone(**inputs, use_cache=False).last_hidden_state.float()
+            hidden.append(out[0] if inputs is packed else out[attention_mask.bool()])
+        exact = hidden[0]
+        noise = (hidden[1] - exact).norm() / exact.norm()  # the padded path's own bf16 rounding: ~2^-8, more if deep
+        for mixed, out in zip((False, True), hidden[2:]):
+            error = (out - exact).norm() / exact.norm()
             if error > 4 * noise:
-                raise ValueError(f"hidden states{' under --bf16' if mixed else ''} {error / exact.norm():.2g} from "
-                                 f"padded ones, over 4x the padded forward's own bf16 rounding, "
-                                 f"{noise / exact.norm():.2g} (relative)")
+                raise ValueError(f"hidden states{' under --bf16' if mixed else ''} {error:.2g} from padded ones, over "
+                                 f"4x the padded bf16 rounding {noise:.2g} (relative)")
     except (ValueError, RuntimeError) as e:
         return f"{type(backbone).__name__} cannot run packed ({str(e).splitlines()[0][:200]})"
     return ""
-
-
-def _real_hidden_states(backbone, inputs, mixed):  # (n, H) fp32 of the real tokens, in IEEE fp32 or under autocast
-    with torch.no_grad(), ieee_fp32(), torch.autocast(backbone.device.type, dtype=torch.bfloat16, enabled=mixed):
-        hidden = backbone(**inputs, use_cache=False).last_hidden_state.float()
-    return hidden[0] if "packed_layout" in inputs else hidden[inputs["attention_mask"].bool()]
 
 
 class StaticDecoder:
@@ -764,11 +751,9 @@ def repeat_cache_rows(source, target, group: int):
 
 
 def share_prefill_checked(decoder, model, batch_size: int, plain, name: str):
-    """Keeps decoder.shared only while it samples what the plain loop samples and leaves the cache a prefill of every
-    row builds, to rounding: within 2x what the unshared prefill itself changes from n / group rows (the shared
-    decoder's) to n rows (bf16 sums depend on the row count; a check that does not depend on how peaked the
-    next-token distributions are); else turns the sharing off with a message (fall_back). Called after
-    share_prefill, a compile and a capture."""
+    """Keeps decoder.shared while it samples what the plain loop samples and leaves the cache a prefill of every row
+    builds, within 2x what an unshared prefill changes from n / group rows to n (bf16 sums depend on the row count);
+    else turns sharing off (fall_back). Called after share_prefill, a compile and a capture."""
     shared = decoder.shared
     if shared is None:
         return
