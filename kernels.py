@@ -767,7 +767,7 @@ def share_prefill_checked(decoder, model, batch_size: int, plain, name: str):
             states.append(_cache_tensors(decoder))
         decoder.shared = shared
         for a, b, sub in zip(*states, _cache_tensors(shared), strict=True):  # sub: the n / group rows' own prefill
-            noise = (b[::group] - sub).norm() if b.dim() else 0.0
+            noise = (b[::group] - sub).norm() if b.shape != sub.shape else 0.0  # (the write position: equal)
             if (a - b).norm() > 2 * group**0.5 * noise:
                 raise ValueError(f"its cache differs from a prefill of every row by {float((a - b).abs().max()):.3g}")
     except Exception as e:  # a cache layout repeat_cache_rows does not know
