@@ -754,10 +754,9 @@ def share_prefill_checked(decoder, model, batch_size: int, plain, name: str):
     """Keeps decoder.shared while it samples what the plain loop samples and leaves the cache a prefill of every row
     builds, within 2x what an unshared prefill changes from n / group rows to n (bf16 sums depend on the row count);
     else turns sharing off (fall_back). Called after share_prefill, a compile and a capture."""
-    shared = decoder.shared
+    shared, group = decoder.shared, getattr(decoder, "group", 1)
     if shared is None:
         return
-    group = decoder.group
     try:
         agrees_with_plain_loop(decoder, model, batch_size, plain, group)
         batch, states = check_batch(model, batch_size, group), []
