@@ -913,7 +913,7 @@ def setup(cfg: Config, ctx: Dist = Dist()):
         demo_warmup(policy, tokenizer, train_pairs, cfg)
         if ctx.rank == 0 and ctx.world > 1:
             torch.distributed.barrier()
-    unpackable = ""  # why packed forwards cannot be used
+    unpackable = ""  # why packed forwards cannot be used (use_packed_attention)
     if cfg.micro_batch_tokens:
         if cfg.micro_batch_tokens < longest + cfg.response_length:
             raise SystemExit(f"--micro-batch-tokens {cfg.micro_batch_tokens} is less than the longest sequence (a "
@@ -1359,7 +1359,17 @@ class WeightSync:
         if src is not None:
             dst.copy_(src)
         else:
-            gather_shards(list(self.policy.parameters()), dst)
+            # FSDP2: every rank's shards in one all-gather, not one per parameter. FSDP2 cuts each parameter along dim
+            # 0 as torch.chunk does: ceil(rows / world) rows per rank, fewer or none on the last ranks.
+            params, world = list(self.policy.parameters()), torch.distributed.get_world_size()
+            widths = [-(-p.shape[0] // world) * (p.numel() // p.shape[0]) for p in params]  # a rank's share, padded
+            shards = dst.new_zeros(sum(widths))
+            for p, piece in zip(params, shards.split(widths)):
+                piece[:p.to_local().numel()].copy_(p.to_local().reshape(-1))
+            gathered = dst.new_empty(world, shards.numel())
+            torch.distributed.all_gather_into_tensor(gathered.view(-1), shards)  # (gloo wants a flat output)
+            for p, full, view in zip(params, gathered.split(widths, 1), dst.split([p.numel() for p in params])):
+                view.copy_(full.reshape(-1)[:p.numel()])  # the ranks' pieces in order, their padding at the end
         if self.cuda:  # done before the lock is released, so the other thread's next copy (its stream) comes after it
             torch.cuda.current_stream().synchronize()
         self.seconds[name] = time.perf_counter() - start
@@ -1384,20 +1394,6 @@ class WeightSync:
         with self.lock:
             while self.version < version and not stop.is_set():
                 self.lock.wait(0.05)
-
-
-def gather_shards(params, dst):
-    """dst (flat) <- FSDP2's parameters, every rank's shards in one all-gather (not one per parameter). FSDP2 cuts each
-    parameter along dim 0 as torch.chunk does: ceil(rows / world) rows per rank, fewer or none on the last ranks."""
-    world = torch.distributed.get_world_size()
-    widths = [-(-p.shape[0] // world) * (p.numel() // p.shape[0]) for p in params]  # one rank's share, padded
-    shards = dst.new_zeros(sum(widths))
-    for p, piece in zip(params, shards.split(widths)):
-        piece[:p.to_local().numel()].copy_(p.to_local().reshape(-1))
-    gathered = dst.new_empty(world * shards.numel())  # (world, S) flat: gloo refuses a 2-D output
-    torch.distributed.all_gather_into_tensor(gathered, shards)
-    for p, full, view in zip(params, gathered.view(world, -1).split(widths, 1), dst.split([p.numel() for p in params])):
-        view.copy_(full.reshape(-1)[:p.numel()])  # the ranks' pieces in order, their padding at the end
 
 
 class Tracer:
