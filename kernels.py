@@ -396,7 +396,7 @@ def token_logprobs(logits, tokens, temperature=1.0, *, mask=None, kept_ids=None,
       row needs at least one (a row without any finite logit gives NaN). If the sampled token is not in its row's
       set, its logprob is -inf.
     Both outputs are differentiable w.r.t. logits; tokens, mask and kept_ids are constants.
-    backend: "auto" (Triton for CUDA logits when triton imports, else torch; float64: torch), "triton", "torch".
+    backend: "auto" (Triton for CUDA logits if it compiles there, triton_works; else torch), "triton", "torch".
     inplace_backward: the backward writes d(logits) into the logits' storage (the caller promises not to reuse
       logits); saves one logits-sized buffer. Ignored with kept_ids.
     """
