@@ -169,6 +169,7 @@ class Rollout:
     policy_version: torch.Tensor  # (B, T) int64: the policy version (PPO updates it contains) that sampled each token
     ended: torch.Tensor  # (B,) bool: the completion emitted a stop token (EOS) within --response-length
     kept_ids: torch.Tensor = None  # (B, T, K) ids top-k/top-p kept at each step, -1 padded; None without truncation
+    behav_entropy: torch.Tensor = None  # (B, T) the entropy of the sampler's distribution at each step
     prompts: list = None  # B prompt strings as the reward sees them
     completions: list = None  # B completion strings, decoded up to (not including) EOS
     # (B, T) under the trainer's policy before the update: PPO's "old" policy, decoupled PPO's "proximal" one
@@ -252,7 +253,7 @@ def generate(sampler, prompt_ids, prompt_mask, *, max_new_tokens, temperature, s
     logits = decoder.start(prompt_ids, prompt_mask, positions(prompt_mask))[:, :vocab]  # (B, V)
     stop_ids = torch.as_tensor(stop_ids, device=prompt_ids.device).reshape(-1)
     done = torch.zeros(prompt_ids.shape[0], dtype=torch.bool, device=prompt_ids.device)
-    tokens, masks, logprobs, kept, versions = [], [], [], [], []
+    tokens, masks, logprobs, entropies, kept, versions = [], [], [], [], [], []
     for t in range(max_new_tokens):
         scaled = logits.float() / temperature  # (B, V)
         kept_ids = None
@@ -260,11 +261,12 @@ def generate(sampler, prompt_ids, prompt_mask, *, max_new_tokens, temperature, s
             scaled, kept_ids = truncate_logits(scaled, top_k, top_p)
             kept.append(kept_ids)
         token = sample_tokens(torch.softmax(scaled, -1), generator)  # (B,)
-        logprob = token_logprobs(logits, token, temperature, kept_ids=kept_ids)[0]  # (B,)
+        logprob, entropy = token_logprobs(logits, token, temperature, kept_ids=kept_ids)  # (B,) each
         alive = ~done
         tokens.append(torch.where(alive, token, pad_id))
         masks.append(alive)
         logprobs.append(torch.where(alive, logprob, 0.0))
+        entropies.append(torch.where(alive, entropy, 0.0))
         versions.append(policy_version)
         done = done | (alive & torch.isin(token, stop_ids))
         if t == max_new_tokens - 1 or (t % 4 == 3 and bool(done.all())):  # one host sync every 4 steps, not every step
@@ -276,7 +278,8 @@ def generate(sampler, prompt_ids, prompt_mask, *, max_new_tokens, temperature, s
     policy_version = torch.tensor(versions, device=response.device).expand_as(response).clone()  # (B, T)
     return Rollout(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response=response,
                    response_mask=torch.stack(masks, 1).long(), behav_logprobs=torch.stack(logprobs, 1),
-                   policy_version=policy_version, ended=done, kept_ids=torch.stack(kept, 1) if kept else None)
+                   policy_version=policy_version, ended=done, kept_ids=torch.stack(kept, 1) if kept else None,
+                   behav_entropy=torch.stack(entropies, 1))
 
 
 def decode_completions(tokenizer, batch: Rollout):  # what a reward function reads: the text before EOS
