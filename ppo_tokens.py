@@ -357,7 +357,8 @@ def rollout_logprobs(model, batch: Rollout, cfg: Config, inputs=None):  # (logpr
     is_actor = isinstance(getattr(model, "module", model), Actor)  # (DDP's module)
     actor = model if is_actor else Actor(model, cfg.temperature, cfg.full_logits)
     *inputs, layout = inputs or model_inputs(batch, cfg)  # inputs: model_inputs(batch, cfg), when the caller has them
-    return actor(*inputs, batch.response, batch.response_mask, batch.kept_ids, layout)
+    with torch.profiler.record_function("log-prob forward"):  # --trace's span of each (policy or reference) forward
+        return actor(*inputs, batch.response, batch.response_mask, batch.kept_ids, layout)
 
 
 def critic_values(critic, batch: Rollout, inputs=None):  # (B, T): V(state before response token t), column P-1+t
