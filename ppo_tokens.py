@@ -714,7 +714,7 @@ def ppo_update(policy, critic, policy_opt, critic_opt, batch: Rollout, cfg: Conf
                 share = Share(tokens[i], denominators[i], token_weight)
                 step_stats = micro_step(policy, critic, batch.rows(rows), cfg, share)
             ratio_max_dev = step_stats.pop("ratio_max_dev")
-            if n_steps == 0:  # the first minibatch: the weights are the ones scoring used, so this is 0 (but below)
+            if n_steps == 0:  # the first minibatch: the weights are the ones scoring used, so this is 0 (see below)
                 first_ratio_max_dev = torch.maximum(first_ratio_max_dev, ratio_max_dev)
                 first_kl = first_kl + step_stats["approx_kl"]
             for k, v in step_stats.items():  # micro-batch shares add up to minibatch means; .item() only at the end

@@ -2268,6 +2268,17 @@ def test_cuda_critic_free_run_with_the_mismatch_correction(tmp_path):  # the bf1
 
 
 @cuda
+def test_cuda_sampler_logprobs_take_the_ratio_against_the_bf16_sampler_and_log_the_mismatch(tmp_path):
+    write_reward_module(tmp_path)
+    run_cuda_script([*CUDA_LOOP, "--sampler-logprobs", "--output-dir", str(tmp_path / "run")], tmp_path)
+    records = [r for r in read_metrics(tmp_path / "run") if r["step"] > 0]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(math.isfinite(r[k]) for r in records for k in ("pg_loss", "vf_loss", "grad_norm", "behav_prox_kl"))
+    # the first minibatch's ratio: the fp32 trainer over the bf16 sampler at the same weights (|log r| < 0.5 as above)
+    assert all(0 < r["first_ratio_max_dev"] < math.exp(0.5) - 1 for r in records)
+
+
+@cuda
 def test_cuda_save_every_then_resume_samples_the_same_next_batch(tmp_path):
     write_reward_module(tmp_path)
     args = [*CUDA_LOOP, "--steps", "4", "--save-every", "2"]
