@@ -1128,23 +1128,27 @@ def test_staleness_zero_with_the_thread_equals_the_synchronous_loop(tmp_path, mo
     assert plain[-1]["approx_kl"] > 0 and plain[0]["reward_mean"] != plain[-1]["reward_mean"]  # it did train
 
 
-@pytest.mark.parametrize("advantage", [["--advantage", "gae"], ["--advantage", "grpo", "--samples-per-prompt", "4"]])
+@pytest.mark.parametrize("advantage", [["--advantage", "gae"],  # grpo: every group in, so both runs score all rows
+                                       ["--advantage", "grpo", "--samples-per-prompt", "4", "--no-drop-flat-groups"]])
 def test_sampler_logprobs_run_one_policy_forward_fewer_per_micro_batch_of_scoring(tmp_path, advantage):
     """--trace's timeline (iterations 2 and 3) counts the log-prob forwards: the reference's, scoring's (one per
     micro-batch of the first epoch: --minibatches 2 here), the update's; --sampler-logprobs drops scoring's."""
     base = ["--steps", "4", "--batch-size", "16", "--minibatches", "2", "--demo-warmup-max-steps", "0", "--eval-every",
             "100", "--eval-size", "40", "--sample-every", "0", "--demo-hidden", "32", "--demo-layers", "1", "--device",
-            "cpu", "--demo-cache", str(tmp_path / "cache"), *advantage]
+            "cpu", "--demo-cache", str(tmp_path / "cache"), "--reward", "count_ones:score", *advantage]
+    write_reward_module(tmp_path)
     forwards = []
     for flag in ([], ["--sampler-logprobs"]):
         out = tmp_path / f"run{len(flag)}"
         run_script([*base, *flag, "--trace", str(out / "trace.json"), "--output-dir", str(out)], tmp_path)
         trace = json.load(open(out / "trace.json"))["traceEvents"]
-        forwards.append(sum(e.get("name") == "log-prob forward" for e in trace) / 2)  # per iteration
+        spans = [e for e in trace if e.get("name") == "log-prob forward"]
+        scoring = [e for e in trace if e.get("name") == "score: old log-probs, values"]
+        in_scoring = [e for e in spans if any(s["ts"] <= e["ts"] <= s["ts"] + s["dur"] for s in scoring)]
+        forwards.append((len(spans) / 2, len(in_scoring) / 2))  # per iteration: all, and scoring's
         records = [r for r in read_metrics(out) if r["step"] > 0]
         assert all(("behav_prox_kl" in r) and r["first_ratio_max_dev"] < 1e-5 for r in records)
-    print(f"log-prob forwards per iteration ({advantage[1]}): {forwards[0]:g} re-scored, {forwards[1]:g} reused")
-    assert forwards[0] - forwards[1] == 2 and forwards[1] > 0
+    assert forwards[0][0] - forwards[1][0] == 2 and (forwards[0][1], forwards[1][1]) == (2, 0), forwards
 
 
 def test_staleness_one_keeps_every_token_within_bounds(tmp_path):
