@@ -93,6 +93,8 @@ class Config:
     loss_agg: str = arg("token-mean", "'token-mean', 'seq-mean-token-mean' or 'seq-mean-token-sum-norm'")
     drop_flat_groups: bool = arg(None, "groups that all scored the same leave the loss; default: on when grouped")
     mismatch_correction: bool = arg(False, "decoupled-PPO weights on fresh tokens too (sampler drift)")
+    sampler_logprobs: bool = arg(False, "old log-probs = the sampler's: no trainer policy forward before the update "
+                                        "(verl's bypass mode); needs --max-staleness 0")
     gamma: float = arg(1.0, "GAE discount")
     lam: float = arg(0.95, "GAE lambda")
     whiten_scores: bool = arg(False, "whiten the sequence scores over the batch before adding them to the rewards")
@@ -169,6 +171,7 @@ class Rollout:
     policy_version: torch.Tensor  # (B, T) int64: the policy version (PPO updates it contains) that sampled each token
     ended: torch.Tensor  # (B,) bool: the completion emitted a stop token (EOS) within --response-length
     kept_ids: torch.Tensor = None  # (B, T, K) ids top-k/top-p kept at each step, -1 padded; None without truncation
+    behav_entropy: torch.Tensor = None  # (B, T) the entropy of the sampler's distribution at each step
     prompts: list = None  # B prompt strings as the reward sees them
     completions: list = None  # B completion strings, decoded up to (not including) EOS
     # (B, T) under the trainer's policy before the update: PPO's "old" policy, decoupled PPO's "proximal" one
@@ -252,7 +255,7 @@ def generate(sampler, prompt_ids, prompt_mask, *, max_new_tokens, temperature, s
     logits = decoder.start(prompt_ids, prompt_mask, positions(prompt_mask))[:, :vocab]  # (B, V)
     stop_ids = torch.as_tensor(stop_ids, device=prompt_ids.device).reshape(-1)
     done = torch.zeros(prompt_ids.shape[0], dtype=torch.bool, device=prompt_ids.device)
-    tokens, masks, logprobs, kept, versions = [], [], [], [], []
+    tokens, masks, logprobs, entropies, kept, versions = [], [], [], [], [], []
     for t in range(max_new_tokens):
         scaled = logits.float() / temperature  # (B, V)
         kept_ids = None
@@ -260,11 +263,12 @@ def generate(sampler, prompt_ids, prompt_mask, *, max_new_tokens, temperature, s
             scaled, kept_ids = truncate_logits(scaled, top_k, top_p)
             kept.append(kept_ids)
         token = sample_tokens(torch.softmax(scaled, -1), generator)  # (B,)
-        logprob = token_logprobs(logits, token, temperature, kept_ids=kept_ids)[0]  # (B,)
+        logprob, entropy = token_logprobs(logits, token, temperature, kept_ids=kept_ids)  # (B,) each
         alive = ~done
         tokens.append(torch.where(alive, token, pad_id))
         masks.append(alive)
         logprobs.append(torch.where(alive, logprob, 0.0))
+        entropies.append(torch.where(alive, entropy, 0.0))
         versions.append(policy_version)
         done = done | (alive & torch.isin(token, stop_ids))
         if t == max_new_tokens - 1 or (t % 4 == 3 and bool(done.all())):  # one host sync every 4 steps, not every step
@@ -276,7 +280,8 @@ def generate(sampler, prompt_ids, prompt_mask, *, max_new_tokens, temperature, s
     policy_version = torch.tensor(versions, device=response.device).expand_as(response).clone()  # (B, T)
     return Rollout(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response=response,
                    response_mask=torch.stack(masks, 1).long(), behav_logprobs=torch.stack(logprobs, 1),
-                   policy_version=policy_version, ended=done, kept_ids=torch.stack(kept, 1) if kept else None)
+                   policy_version=policy_version, ended=done, kept_ids=torch.stack(kept, 1) if kept else None,
+                   behav_entropy=torch.stack(entropies, 1))
 
 
 def decode_completions(tokenizer, batch: Rollout):  # what a reward function reads: the text before EOS
@@ -354,7 +359,8 @@ def rollout_logprobs(model, batch: Rollout, cfg: Config, inputs=None):  # (logpr
     is_actor = isinstance(getattr(model, "module", model), Actor)  # (DDP's module)
     actor = model if is_actor else Actor(model, cfg.temperature, cfg.full_logits)
     *inputs, layout = inputs or model_inputs(batch, cfg)  # inputs: model_inputs(batch, cfg), when the caller has them
-    return actor(*inputs, batch.response, batch.response_mask, batch.kept_ids, layout)
+    with torch.profiler.record_function("log-prob forward"):  # --trace's span of each (policy or reference) forward
+        return actor(*inputs, batch.response, batch.response_mask, batch.kept_ids, layout)
 
 
 def critic_values(critic, batch: Rollout, inputs=None):  # (B, T): V(state before response token t), column P-1+t
@@ -532,18 +538,22 @@ def score_trainer(batch: Rollout, policy, critic, cfg: Config, row_order=None, v
         mask = mask & (version - batch.policy_version <= cfg.max_token_age)
     batch.loss_mask = (mask & ~(flat & cfg.drop_flat_groups)[:, None]).long()  # (B, T)
     batch.loss_rows = batch.response_mask.bool() & batch.loss_mask.bool().any(1, keepdim=True)  # (B, T)
-    row_order = torch.arange(len(batch.response)) if row_order is None else row_order
-    first_epoch = update_minibatches(batch, cfg, [row_order])
+    # --sampler-logprobs (verl's bypass mode): at staleness 0 the sampler held these weights, so its log-probs and
+    # entropies are the old ones, without a policy forward; exact where its numerics are the trainer's (README)
     batch.old_logprobs = batch.behav_logprobs.clone()  # (rows skipped keep the sampler's values; nothing reads them)
-    batch.entropy = torch.zeros_like(batch.behav_logprobs)
+    batch.entropy = batch.behav_entropy.clone() if cfg.sampler_logprobs else torch.zeros_like(batch.behav_logprobs)
     batch.values = torch.zeros_like(batch.behav_logprobs, dtype=torch.float32)  # the critic's output is fp32
-    for rows in itertools.chain(*micro_batch_rows(batch, first_epoch, cfg, ranks_agree=True)):
-        mb = batch.rows(rows)
-        inputs = model_inputs(mb, cfg)  # packed once for both models
-        with autocast(cfg, batch.response.device):
-            batch.old_logprobs[rows], batch.entropy[rows] = rollout_logprobs(policy, mb, cfg, inputs)
-            if critic is not None:
-                batch.values[rows] = critic_values(critic, mb, inputs)
+    if critic is not None or not cfg.sampler_logprobs:
+        row_order = torch.arange(len(batch.response)) if row_order is None else row_order
+        first_epoch = update_minibatches(batch, cfg, [row_order])
+        for rows in itertools.chain(*micro_batch_rows(batch, first_epoch, cfg, ranks_agree=True)):
+            mb = batch.rows(rows)
+            inputs = model_inputs(mb, cfg)  # packed once for both models
+            with autocast(cfg, batch.response.device):
+                if not cfg.sampler_logprobs:
+                    batch.old_logprobs[rows], batch.entropy[rows] = rollout_logprobs(policy, mb, cfg, inputs)
+                if critic is not None:
+                    batch.values[rows] = critic_values(critic, mb, inputs)
     if cfg.whiten_scores:  # here, not in the producer: under torchrun it is a collective, which only this thread runs
         batch.scores = masked_whiten(batch.scores, torch.ones_like(batch.scores))
     kl = kl_estimate(batch.old_logprobs, batch.ref_logprobs, cfg.kl_estimator)
@@ -585,6 +595,9 @@ def off_policy_correction(batch: Rollout, cfg: Config, version=None):
                         "behav_prox_mean_diff": means[3],
                         "behav_prox_kl": means[4],
                         "tokens_dropped": int((mask & ~batch.loss_mask.bool()).sum())}
+    if cfg.sampler_logprobs:  # old = behav: these are 0; ppo_update measures the mismatch on its first minibatch
+        for name in ("behav_prox_max_diff", "behav_prox_mean_diff", "behav_prox_kl"):
+            del batch.correction[name]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -688,6 +701,7 @@ def ppo_update(policy, critic, policy_opt, critic_opt, batch: Rollout, cfg: Conf
     sums = {}  # each logged statistic, summed over the optimizer steps
     n_steps = 0
     first_ratio_max_dev = torch.zeros(())
+    first_kl = 0.0
     models = [m for m in (policy, critic) if m is not None]
     optimizers = [o for o in (policy_opt, critic_opt) if o is not None]
     minibatches = update_minibatches(batch, cfg, row_orders[:cfg.ppo_epochs])  # epoch by epoch
@@ -700,8 +714,9 @@ def ppo_update(policy, critic, policy_opt, critic_opt, batch: Rollout, cfg: Conf
                 share = Share(tokens[i], denominators[i], token_weight)
                 step_stats = micro_step(policy, critic, batch.rows(rows), cfg, share)
             ratio_max_dev = step_stats.pop("ratio_max_dev")
-            if n_steps == 0:  # the first minibatch: the weights are the ones scoring used, so this must be 0
+            if n_steps == 0:  # the first minibatch: the weights are the ones scoring used, so this is 0 (see below)
                 first_ratio_max_dev = torch.maximum(first_ratio_max_dev, ratio_max_dev)
+                first_kl = first_kl + step_stats["approx_kl"]
             for k, v in step_stats.items():  # micro-batch shares add up to minibatch means; .item() only at the end
                 sums[k] = sums.get(k, 0.0) + v.detach()
         if empty[i]:  # not a loss token on any rank (all dropped): no optimizer step, as if it were not there
@@ -726,7 +741,10 @@ def ppo_update(policy, critic, policy_opt, critic_opt, batch: Rollout, cfg: Conf
             optimizer.zero_grad(set_to_none=True)
         n_steps += 1
     means = {k: float(v) / max(1, n_steps) for k, v in sums.items()}
-    return {**means, "first_ratio_max_dev": float(first_ratio_max_dev)}
+    # --sampler-logprobs: the first minibatch's ratio is pi_trainer / pi_sampler at the same weights, so its max |r - 1|
+    # and its k3 KL(sampler || trainer) measure the mismatch that off_policy_correction's behav_prox_* measure otherwise
+    mismatch = {"behav_prox_kl": float(first_kl)} if cfg.sampler_logprobs else {}
+    return {**means, "first_ratio_max_dev": float(first_ratio_max_dev), **mismatch}
 
 
 def update_minibatches(batch: Rollout, cfg: Config, row_orders):
@@ -2064,7 +2082,8 @@ def bench_update(cfg: Config, run):  # part (2) of --bench-rollout: packed vs pa
             checkpoint_layers(model)
         actor = Actor(actor, c.temperature, c.full_logits, run.vocab)  # as train() scores
         batch = Rollout(ids, mask, response, response_mask, torch.zeros(B, Tmax, device=device),
-                        torch.zeros_like(response), torch.ones(B, dtype=torch.bool, device=device))
+                        torch.zeros_like(response), torch.ones(B, dtype=torch.bool, device=device),
+                        behav_entropy=torch.zeros(B, Tmax, device=device))  # (read by --sampler-logprobs)
         score_frozen(batch, reference, lambda batch: torch.ones(B, device=device), c)  # every completion scores 1
         score_trainer(batch, actor, critic, c, orders[0])
         optimizers = make_optimizers(c, actor, critic)[:2]
@@ -2174,6 +2193,11 @@ def check_config(cfg: Config):
                (not cfg.prompts or os.path.isfile(cfg.prompts), f"--prompts {cfg.prompts}: no such file"),
                (not cfg.reward_model or os.path.isdir(cfg.reward_model),
                 f"--reward-model {cfg.reward_model}: no such directory"),
+               (not (cfg.sampler_logprobs and (cfg.max_staleness or cfg.inflight_updates or cfg.bench_overlap)),
+                "--sampler-logprobs needs fresh tokens: drop --max-staleness, --inflight-updates and --bench-overlap "
+                "(stale tokens need the trainer's proximal forward)"),
+               (not (cfg.sampler_logprobs and cfg.mismatch_correction), "--sampler-logprobs makes the old log-probs "
+                "the sampler's, so --mismatch-correction's weight is 1: drop one (the mismatch stays logged)"),
                (cfg.static_cache or not cfg.compile_sampler,
                 "--compile-sampler needs the static cache: drop --no-static-cache"),
                (not (cfg.bench_overlap or cfg.bench_rollout) or world == 1,

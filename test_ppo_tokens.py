@@ -725,6 +725,27 @@ def test_ratio_is_exactly_one_on_the_first_minibatch(tokenizer):
     assert stats["approx_kl"] > 0  # the later minibatches did move the policy
 
 
+@pytest.mark.parametrize("flags", [{}, {"advantage": "grpo", "samples_per_prompt": 4}, {"pg_mask": "top-entropy"}])
+def test_sampler_logprobs_give_the_update_of_the_rescored_old_logprobs(tokenizer, flags):
+    """--sampler-logprobs at staleness 0 on CPU fp32 (the sampler's numerics are the trainer's): the sampler's
+    log-probs and entropies as the old ones give the re-forward's update (gae with its critic, critic-free grpo, the
+    top-entropy mask from the sampler's entropies); the first minibatch then measures the mismatch."""
+    flags = {"minibatches": 2, "ppo_epochs": 2, "micro_batch_size": 2, "max_grad_norm": 1.0, **flags}
+    (stats, batch, step), (reused_stats, reused, reused_step) = [variant_update(tokenizer, sampler_logprobs=s, **flags)
+                                                                 for s in (False, True)]
+    mask = batch.response_mask.bool()
+    assert torch.equal(reused.old_logprobs, reused.behav_logprobs) and torch.equal(reused.values, batch.values)
+    torch.testing.assert_close(reused.old_logprobs[mask], batch.old_logprobs[mask], rtol=0, atol=1e-5)
+    torch.testing.assert_close(reused.entropy[mask], batch.entropy[mask], rtol=0, atol=1e-5)
+    assert torch.equal(reused.pg_mask, batch.pg_mask)  # top-entropy: the same 20% of the tokens
+    for rescored_step, reused_step in zip(step, reused_step):
+        torch.testing.assert_close(reused_step, rescored_step, rtol=1e-5, atol=1e-5)
+    assert max(float(a.abs().max()) for a in step) > 1e-2  # (it did move)
+    assert stats["first_ratio_max_dev"] == 0.0 and "behav_prox_kl" not in stats and "behav_prox_kl" in batch.correction
+    assert 0.0 <= reused_stats["first_ratio_max_dev"] < 1e-5 and 0.0 <= reused_stats["behav_prox_kl"] < 1e-10
+    assert not any(k.startswith("behav_prox") for k in reused.correction)  # (0 by construction: measured above)
+
+
 def sgd_update(tokenizer, prepare=None, edit_batch=None, **cfg_overrides):  # one ppo_update with plain SGD (lr 1)
     """The step is the gradient. Returns (stats, the policy's step, the critic's step)."""
     cfg, policy, reference, critic, batch = tiny_setup(tokenizer, **cfg_overrides)
@@ -1104,6 +1125,29 @@ def test_staleness_zero_with_the_thread_equals_the_synchronous_loop(tmp_path, mo
     assert all(torch.equal(plain_weights[k], thread_weights[k]) for k in plain_weights)
     assert all(r["behav_prox_max_diff"] < 1e-5 for r in plain + thread)  # the sampler really had the new weights
     assert plain[-1]["approx_kl"] > 0 and plain[0]["reward_mean"] != plain[-1]["reward_mean"]  # it did train
+
+
+@pytest.mark.parametrize("advantage", [["--advantage", "gae"],  # grpo: every group in, so both runs score all rows
+                                       ["--advantage", "grpo", "--samples-per-prompt", "4", "--no-drop-flat-groups"]])
+def test_sampler_logprobs_run_one_policy_forward_fewer_per_micro_batch_of_scoring(tmp_path, advantage):
+    """--trace's timeline (iterations 2 and 3) counts the log-prob forwards: the reference's, scoring's (one per
+    micro-batch of the first epoch: --minibatches 2 here), the update's; --sampler-logprobs drops scoring's."""
+    base = ["--steps", "4", "--batch-size", "16", "--minibatches", "2", "--demo-warmup-max-steps", "0", "--eval-every",
+            "100", "--eval-size", "40", "--sample-every", "0", "--demo-hidden", "32", "--demo-layers", "1", "--device",
+            "cpu", "--demo-cache", str(tmp_path / "cache"), "--reward", "count_ones:score", *advantage]
+    write_reward_module(tmp_path)
+    forwards = []
+    for flag in ([], ["--sampler-logprobs"]):
+        out = tmp_path / f"run{len(flag)}"
+        run_script([*base, *flag, "--trace", str(out / "trace.json"), "--output-dir", str(out)], tmp_path)
+        trace = json.load(open(out / "trace.json"))["traceEvents"]
+        spans = [e for e in trace if e.get("name") == "log-prob forward"]
+        scoring = [e for e in trace if e.get("name") == "score: old log-probs, values"]
+        in_scoring = [e for e in spans if any(s["ts"] <= e["ts"] <= s["ts"] + s["dur"] for s in scoring)]
+        forwards.append((len(spans) / 2, len(in_scoring) / 2))  # per iteration: all, and scoring's
+        records = [r for r in read_metrics(out) if r["step"] > 0]
+        assert all(("behav_prox_kl" in r) and r["first_ratio_max_dev"] < 1e-5 for r in records)
+    assert forwards[0][0] - forwards[1][0] == 2 and (forwards[0][1], forwards[1][1]) == (2, 0), forwards
 
 
 def test_staleness_one_keeps_every_token_within_bounds(tmp_path):
@@ -1846,7 +1890,10 @@ def test_config_errors_name_the_flags(capsys):
              (["--policy-loss", "dapo"], "--policy-loss must be ppo, gspo or cispo"),
              (["--pg-mask", "random"], "--pg-mask must be all or top-entropy"),
              (["--advantage", "grpo", "--samples-per-prompt", "2", "--kl-estimator", "k1"],
-              "--kl-in loss needs --kl-estimator k2 or k3")]
+              "--kl-in loss needs --kl-estimator k2 or k3"),
+             (["--sampler-logprobs", "--max-staleness", "1"], "--sampler-logprobs needs fresh tokens: drop"),
+             (["--sampler-logprobs", "--inflight-updates"], "--sampler-logprobs needs fresh tokens: drop"),
+             (["--sampler-logprobs", "--mismatch-correction"], "so --mismatch-correction's weight is 1: drop one")]
     if not torch.cuda.is_available():
         cases.append((["--device", "cuda"], "--device cuda: CUDA is not available here; use --device cpu"))
     for argv, message in cases:
@@ -2326,6 +2373,17 @@ def test_cuda_critic_free_run_with_the_mismatch_correction(tmp_path):  # the bf1
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all(math.isfinite(r[k]) for r in records for k in ("pg_loss", "kl_loss", "grad_norm", "behav_prox_kl"))
     assert all("vf_loss" not in r and r["is_weight_mean"] != 1.0 for r in records)  # fresh tokens weighted too
+
+
+@cuda
+def test_cuda_sampler_logprobs_take_the_ratio_against_the_bf16_sampler_and_log_the_mismatch(tmp_path):
+    write_reward_module(tmp_path)
+    run_cuda_script([*CUDA_LOOP, "--sampler-logprobs", "--output-dir", str(tmp_path / "run")], tmp_path)
+    records = [r for r in read_metrics(tmp_path / "run") if r["step"] > 0]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(math.isfinite(r[k]) for r in records for k in ("pg_loss", "vf_loss", "grad_norm", "behav_prox_kl"))
+    # the first minibatch's ratio: the fp32 trainer over the bf16 sampler at the same weights (|log r| < 0.5 as above)
+    assert all(0 < r["first_ratio_max_dev"] < math.exp(0.5) - 1 for r in records)
 
 
 @cuda
