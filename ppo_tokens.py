@@ -59,21 +59,21 @@ class Config:
     chat_template: bool = arg(True, "wrap each prompt in the tokenizer's chat template when it has one")
     max_prompt_length: int = arg(512, "longest prompt in tokens; longer ones are cut or refused, see --long-prompts")
     # rollout
-    steps: int = arg(0, "PPO iterations: one rollout batch and its update each; 0 = 300 with a critic, 800 without")
-    batch_size: int = arg(0, "completions per iteration; 0 = 256, or 64 prompts x --samples-per-prompt when grouped")
-    response_length: int = arg(0, "max new tokens per completion; 0 = 4 for the demo, 128 otherwise")
+    steps: int = arg(0, "PPO iterations (a batch and its update each); 0 = demo: 300, 800 critic-free; --model: 1000")
+    batch_size: int = arg(0, "completions per iteration; 0 = demo: 256, 64 prompts x group; --model: 64, 16 x group")
+    response_length: int = arg(0, "max new tokens per completion; 0 = demo: 4; --model: 256")
     temperature: float = arg(1.0, "sampling temperature; scoring divides the logits by the same value")
     top_k: int = arg(0, "sample from the k most likely tokens only (0 = off); log-probs renormalise over that set")
     top_p: float = arg(1.0, "nucleus sampling threshold (1 = off); keeps at most --top-k ids, 64 when --top-k is 0")
     # PPO
-    ppo_epochs: int = arg(0, "passes over each rollout batch; 0 = 2 with a critic, 1 without (GRPO's mu = 1)")
+    ppo_epochs: int = arg(0, "passes over each rollout batch; 0 = demo: 2, 1 critic-free (GRPO's mu = 1); --model: 1")
     minibatches: int = arg(4, "optimizer steps per epoch; --batch-size must divide by it")
     micro_batch_size: int = arg(0, "rows per forward/backward, gradients accumulate; 0 = the whole minibatch")
     micro_batch_tokens: int = arg(0, "instead: packed micro-batches of at most this many real tokens; 0 = padded rows")
     gradient_checkpointing: bool = arg(False, "recompute each decoder layer's activations in the backward")
     bf16: bool = arg(False, "bf16 autocast over the fp32 master weights; the log-prob and value heads stay fp32")
-    lr: float = arg(0.0, "policy learning rate (AdamW); 0 = 5e-4 (3e-4 without a critic); ~1e-6 for real models")
-    critic_lr: float = arg(1e-3, "critic learning rate (AdamW); use ~1e-5 for real models")
+    lr: float = arg(0.0, "policy learning rate (AdamW); 0 = demo: 5e-4, 3e-4 critic-free; --model: 1e-6")
+    critic_lr: float = arg(0.0, "critic learning rate (AdamW); 0 = demo: 1e-3; --model: 1e-5")
     lr_decay: bool = arg(True, "decay both learning rates linearly to 0 over --steps")
     weight_decay: float = arg(0.0, "AdamW weight decay")
     adam_eps: float = arg(1e-5, "AdamW epsilon (1e-5 as in the N+ details, not PyTorch's 1e-8)")
@@ -129,24 +129,34 @@ class Config:
     # run
     seed: int = arg(1, "seeds model init, sampling, data order and minibatch shuffling")
     device: str = arg("auto", "'auto' (cuda if available), 'cpu', 'cuda' or 'cuda:N'")
-    dtype: str = arg("float32", "dtype of the frozen models (reference, reward model); policy and critic train in fp32")
+    dtype: str = arg("auto", "frozen models' dtype (reference, reward model); auto: bfloat16 on CUDA, else float32")
     tf32: bool = arg(True, "CUDA: float32 matmuls in TF32 (fp32 sums, several times faster); off = IEEE float32")
     output_dir: str = arg("", "where config.json, metrics.jsonl and policy/ go; empty = runs/<date-time>")
     wandb_project: str = arg("", "log to this Weights & Biases project (off when empty; wandb imported only then)")
 
-    def __post_init__(self):  # the defaults that depend on other flags (check_config checks the result)
-        # critic-free (README): one pass (GRPO's mu = 1); grouped: 64 prompts x a group, flat groups leave the loss
+    def __post_init__(self):
+        """A flag left at 0 ("auto", "", None) takes the value that fits the run: the demo's were tuned on it
+        (shared/DEMO-CALIBRATION.md), --model's are the README's for a real model. self.resolved: those values."""
         estimator = ADVANTAGES.get(self.advantage, ADVANTAGES["gae"])  # (check_config refuses an unknown name)
-        self.steps = self.steps or (300 if estimator.critic else 800)
-        self.batch_size = self.batch_size or (64 * self.samples_per_prompt if estimator.groups else 256)
-        self.ppo_epochs = self.ppo_epochs or (2 if estimator.critic else 1)
-        self.lr = self.lr or (5e-4 if estimator.critic else 3e-4)
-        if self.drop_flat_groups is None:
-            self.drop_flat_groups = estimator.groups
-        self.kl_in = self.kl_in or estimator.kl_in
-        self.kl_estimator = self.kl_estimator or ("k1" if self.kl_in == "reward" else "k3")
+        critic, groups, n = estimator.critic, estimator.groups, self.samples_per_prompt
+        cuda = self.device.startswith("cuda") or (self.device == "auto" and torch.cuda.is_available())
+        if self.model:  # a real model: verl's and OpenRLHF's learning rates and one pass; a demo's would wreck it
+            defaults = dict(steps=1000, batch_size=16 * n if groups else 64, response_length=256, ppo_epochs=1,
+                            lr=1e-6, critic_lr=1e-5)
+        else:  # the demo; critic-free: one pass (GRPO's mu = 1), 64 prompts x a group
+            defaults = dict(steps=300 if critic else 800, batch_size=64 * n if groups else 256, response_length=4,
+                            ppo_epochs=2 if critic else 1, lr=5e-4 if critic else 3e-4, critic_lr=1e-3)
+        # the frozen models in bf16 on CUDA (memory), the KL where the estimator puts it, flat groups out of the loss
+        defaults.update(dtype="bfloat16" if cuda else "float32", kl_in=estimator.kl_in, drop_flat_groups=groups)
+        unset = [k for k, v in defaults.items() if getattr(self, k) is not False and getattr(self, k) in UNSET]
+        self.resolved = {k: defaults[k] for k in unset}
+        if not self.kl_estimator:  # k1 in the reward; in the loss k3 (k1's expected gradient there is 0)
+            self.resolved["kl_estimator"] = "k1" if self.resolved.get("kl_in", self.kl_in) == "reward" else "k3"
+        for name, value in self.resolved.items():
+            setattr(self, name, value)
 
 
+UNSET = (0, "auto", "", None)  # a flag's values that mean "the default that fits the run" (Config.__post_init__)
 Dist = collections.namedtuple("Dist", "rank local_rank world", defaults=(0, 0, 1))  # this process's place in the job
 
 
@@ -2115,10 +2125,8 @@ def parse_config(argv=None) -> Config:
 
 
 def check_config(cfg: Config):
-    """Resolve the derived values and check every size once, with errors that name the flags to change."""
+    """Check every value and size once (Config resolved the defaults), with errors that name the flags to change."""
     demo = not cfg.model and not cfg.prompts
-    if cfg.response_length == 0:
-        cfg.response_length = 4 if demo else 128
     world = int(os.environ.get("WORLD_SIZE", "1"))  # under torchrun --batch-size is global; each rank takes 1/world
     ranks = f" x {world} ranks (torchrun's WORLD_SIZE)" if world > 1 else ""
     minibatch_size = cfg.batch_size // max(1, cfg.minibatches * world)  # per rank
@@ -2171,6 +2179,7 @@ def check_config(cfg: Config):
 def main(argv=None):
     cfg = parse_config(argv)
     ctx = init_distributed(cfg)
+    print("defaults: " + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in cfg.resolved.items()))
     try:
         if cfg.bench_rollout:  # (writes nothing)
             return bench_rollout(cfg)
