@@ -998,7 +998,7 @@ def check_outputs(output_dir, steps, tokenizer_check=None):
 
 
 TINY = ["--batch-size", "16", "--minibatches", "2", "--micro-batch-size", "4", "--steps", "3", "--eval-size", "40",
-        "--eval-every", "2", "--demo-warmup-max-steps", "0", "--sample-every", "2", "--device", "cpu"]  # (bit-exact)
+        "--eval-every", "2", "--demo-warmup-steps", "0", "--sample-every", "2", "--device", "cpu"]  # (bit-exact)
 
 
 @slow
@@ -1085,7 +1085,7 @@ def write_reward_module(path):
 
 
 LOOP = ["--batch-size", "16", "--minibatches", "2", "--micro-batch-size", "8", "--steps", "4", "--response-length", "6",
-        "--demo-warmup-max-steps", "0", "--sample-every", "0", "--reward", "count_ones:score", "--lr", "3e-3",
+        "--demo-warmup-steps", "0", "--sample-every", "0", "--reward", "count_ones:score", "--lr", "3e-3",
         "--device", "cpu"]  # the CPU: bit-exact assertions; their CUDA twins add --device cuda
 
 
@@ -2566,7 +2566,7 @@ def test_reinforce_pp_needs_no_critic_nor_groups_and_micro_batches_score_the_sam
     assert not estimator.critic and not estimator.groups and estimator.kl_in == "reward"
     cfg = pt.parse_config(["--advantage", "reinforce++", "--samples-per-prompt", "1"])  # accepted: no groups needed
     assert cfg.kl_in == "reward" and cfg.kl_estimator == "k1" and not cfg.drop_flat_groups and cfg.ppo_epochs == 1
-    run = pt.setup(pt.Config(advantage="reinforce++", demo_warmup_max_steps=0, demo_cache=str(tmp_path), eval_size=40,
+    run = pt.setup(pt.Config(advantage="reinforce++", demo_warmup_steps=0, demo_cache=str(tmp_path), eval_size=40,
                              device="cpu"))
     assert run.critic is None  # setup built no critic
     results = [variant_update(tokenizer, advantage="reinforce++", kl_coef=0.1, gamma=0.9, micro_batch_size=m)
@@ -2679,7 +2679,7 @@ def test_reward_functions_get_the_token_facts_they_name_and_the_demo_reward_is_o
                                        "    pairs = zip(facts['completion_ids'], facts['ended'])\n"
                                        "    return [len(ids) + ended for ids, ended in pairs]\n")
     monkeypatch.chdir(tmp_path)
-    demo, user = (pt.setup(pt.Config(reward=reward, demo_warmup_max_steps=0, demo_cache=str(tmp_path), eval_size=40,
+    demo, user = (pt.setup(pt.Config(reward=reward, demo_warmup_steps=0, demo_cache=str(tmp_path), eval_size=40,
                                      device="cpu")) for reward in ("", "facts:score"))  # setup's reward_fn
     assert demo.reward_fn.func is pt.rule_scores and demo.reward_fn.args == (pt.addition_reward,)
     assert demo.reward_fn(batch).tolist() == [1.0, 0.0, 0.0, 1.0]
@@ -2729,7 +2729,7 @@ def test_a_new_loss_estimator_and_mask_are_one_function_and_one_table_entry_each
     calls.clear()
     cfg = pt.parse_config(["--policy-loss", "doubled", "--advantage", "ones", "--pg-mask", "first", "--steps", "1",
                            "--batch-size", "8", "--minibatches", "1", "--response-length", "4", "--eval-size", "40",
-                           "--sample-every", "0", "--demo-warmup-max-steps", "0", "--demo-cache", str(tmp_path),
+                           "--sample-every", "0", "--demo-warmup-steps", "0", "--demo-cache", str(tmp_path),
                            "--device", "cpu"])
     run = pt.setup(cfg)
     assert run.critic is None
