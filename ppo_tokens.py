@@ -59,21 +59,21 @@ class Config:
     chat_template: bool = arg(True, "wrap each prompt in the tokenizer's chat template when it has one")
     max_prompt_length: int = arg(512, "longest prompt in tokens; longer ones are cut or refused, see --long-prompts")
     # rollout
-    steps: int = arg(0, "PPO iterations: one rollout batch and its update each; 0 = 300 with a critic, 800 without")
-    batch_size: int = arg(0, "completions per iteration; 0 = 256, or 64 prompts x --samples-per-prompt when grouped")
-    response_length: int = arg(0, "max new tokens per completion; 0 = 4 for the demo, 128 otherwise")
+    steps: int = arg(0, "PPO iterations (a batch and its update each); 0 = demo: 300, 800 critic-free; --model: 1000")
+    batch_size: int = arg(0, "completions per iteration; 0 = demo: 256, 64 prompts x group; --model: 64, 16 x group")
+    response_length: int = arg(0, "max new tokens per completion; 0 = demo: 4; --model: 256")
     temperature: float = arg(1.0, "sampling temperature; scoring divides the logits by the same value")
     top_k: int = arg(0, "sample from the k most likely tokens only (0 = off); log-probs renormalise over that set")
     top_p: float = arg(1.0, "nucleus sampling threshold (1 = off); keeps at most --top-k ids, 64 when --top-k is 0")
     # PPO
-    ppo_epochs: int = arg(0, "passes over each rollout batch; 0 = 2 with a critic, 1 without (GRPO's mu = 1)")
+    ppo_epochs: int = arg(0, "passes over each rollout batch; 0 = demo: 2, 1 critic-free (GRPO's mu = 1); --model: 1")
     minibatches: int = arg(4, "optimizer steps per epoch; --batch-size must divide by it")
     micro_batch_size: int = arg(0, "rows per forward/backward, gradients accumulate; 0 = the whole minibatch")
     micro_batch_tokens: int = arg(0, "instead: packed micro-batches of at most this many real tokens; 0 = padded rows")
     gradient_checkpointing: bool = arg(False, "recompute each decoder layer's activations in the backward")
     bf16: bool = arg(False, "bf16 autocast over the fp32 master weights; the log-prob and value heads stay fp32")
-    lr: float = arg(0.0, "policy learning rate (AdamW); 0 = 5e-4 (3e-4 without a critic); ~1e-6 for real models")
-    critic_lr: float = arg(1e-3, "critic learning rate (AdamW); use ~1e-5 for real models")
+    lr: float = arg(0.0, "policy learning rate (AdamW); 0 = demo: 5e-4, 3e-4 critic-free; --model: 1e-6")
+    critic_lr: float = arg(0.0, "critic learning rate (AdamW); 0 = demo: 1e-3; --model: 1e-5")
     lr_decay: bool = arg(True, "decay both learning rates linearly to 0 over --steps")
     weight_decay: float = arg(0.0, "AdamW weight decay")
     adam_eps: float = arg(1e-5, "AdamW epsilon (1e-5 as in the N+ details, not PyTorch's 1e-8)")
@@ -113,9 +113,8 @@ class Config:
     full_logits: bool = arg(False, "log-probs from full [tokens, vocab] logits, not the fused lm_head path")
     fsdp: bool = arg(False, "torchrun: shard actor/critic weights, grads, Adam states (FSDP2), not replicate (DDP)")
     # the built-in demo
-    demo_warmup_max_steps: int = arg(1500, "cap on supervised warm-up steps before PPO (0 = no warm-up)")
-    demo_warmup_target: float = arg(0.20, "warm-up stops once sampled accuracy on 256 training prompts reaches this")
-    demo_warmup_lr: float = arg(3e-3, "warm-up learning rate (AdamW, 50-step linear warm-up, grad clip 1)")
+    demo_warmup_steps: int = arg(300, "supervised warm-up steps before PPO (0 = none); fixed, found once over seeds")
+    demo_warmup_lr: float = arg(3e-3, "warm-up learning rate (AdamW, betas (0.9, 0.95), 50-step linear warm-up)")
     demo_hidden: int = arg(128, "demo model width (3 layers, 4 heads; 128 = 0.6M parameters)")
     demo_layers: int = arg(3, "demo model depth")
     demo_cache: str = arg("~/.cache/ppo_tokens", "where the warmed-up demo checkpoint is cached between runs")
@@ -131,24 +130,34 @@ class Config:
     # run
     seed: int = arg(1, "seeds model init, sampling, data order and minibatch shuffling")
     device: str = arg("auto", "'auto' (cuda if available), 'cpu', 'cuda' or 'cuda:N'")
-    dtype: str = arg("float32", "dtype of the frozen models (reference, reward model); policy and critic train in fp32")
+    dtype: str = arg("auto", "frozen models' dtype (reference, reward model); auto: bfloat16 on CUDA, else float32")
     tf32: bool = arg(True, "CUDA: float32 matmuls in TF32 (fp32 sums, several times faster); off = IEEE float32")
     output_dir: str = arg("", "where config.json, metrics.jsonl and policy/ go; empty = runs/<date-time>")
     wandb_project: str = arg("", "log to this Weights & Biases project (off when empty; wandb imported only then)")
 
-    def __post_init__(self):  # the defaults that depend on other flags (check_config checks the result)
-        # critic-free (README): one pass (GRPO's mu = 1); grouped: 64 prompts x a group, flat groups leave the loss
+    def __post_init__(self):
+        """A flag left at 0 ("auto", "", None) takes the value that fits the run: the demo's were tuned on it
+        (shared/DEMO-CALIBRATION.md), --model's are the README's for a real model. self.resolved: those values."""
         estimator = ADVANTAGES.get(self.advantage, ADVANTAGES["gae"])  # (check_config refuses an unknown name)
-        self.steps = self.steps or (300 if estimator.critic else 800)
-        self.batch_size = self.batch_size or (64 * self.samples_per_prompt if estimator.groups else 256)
-        self.ppo_epochs = self.ppo_epochs or (2 if estimator.critic else 1)
-        self.lr = self.lr or (5e-4 if estimator.critic else 3e-4)
-        if self.drop_flat_groups is None:
-            self.drop_flat_groups = estimator.groups
-        self.kl_in = self.kl_in or estimator.kl_in
-        self.kl_estimator = self.kl_estimator or ("k1" if self.kl_in == "reward" else "k3")
+        critic, groups, n = estimator.critic, estimator.groups, self.samples_per_prompt
+        cuda = self.device.startswith("cuda") or (self.device == "auto" and torch.cuda.is_available())
+        if self.model:  # a real model: verl's and OpenRLHF's learning rates and one pass; a demo's would wreck it
+            defaults = dict(steps=1000, batch_size=16 * n if groups else 64, response_length=256, ppo_epochs=1,
+                            lr=1e-6, critic_lr=1e-5)
+        else:  # the demo; critic-free: one pass (GRPO's mu = 1), 64 prompts x a group
+            defaults = dict(steps=300 if critic else 800, batch_size=64 * n if groups else 256, response_length=4,
+                            ppo_epochs=2 if critic else 1, lr=5e-4 if critic else 3e-4, critic_lr=1e-3)
+        # the frozen models in bf16 on CUDA (memory), the KL where the estimator puts it, flat groups out of the loss
+        defaults.update(dtype="bfloat16" if cuda else "float32", kl_in=estimator.kl_in, drop_flat_groups=groups)
+        unset = [k for k, v in defaults.items() if getattr(self, k) is not False and getattr(self, k) in UNSET]
+        self.resolved = {k: defaults[k] for k in unset}
+        if not self.kl_estimator:  # k1 in the reward; in the loss k3 (k1's expected gradient there is 0)
+            self.resolved["kl_estimator"] = "k1" if self.resolved.get("kl_in", self.kl_in) == "reward" else "k3"
+        for name, value in self.resolved.items():
+            setattr(self, name, value)
 
 
+UNSET = (0, "auto", "", None)  # a flag's values that mean "the default that fits the run" (Config.__post_init__)
 Dist = collections.namedtuple("Dist", "rank local_rank world", defaults=(0, 0, 1))  # this process's place in the job
 
 
@@ -1280,10 +1289,10 @@ def evaluate(policy, tokenizer, prompt_ids, prompt_texts, cfg: Config, seed: int
 
 
 def demo_warmup(policy, tokenizer, train_pairs, cfg: Config):
-    """Supervised warm-up until --demo-warmup-target, so PPO starts from a policy that is sometimes right; adaptive:
-    the jump comes anywhere from ~250 to 900+ steps depending on the seed. Cached on disk."""
+    """Supervised warm-up, so that PPO starts from a policy that is sometimes right. A fixed number of steps: a stop
+    at an accuracy threshold moved with the rounding of each machine (and so did PPO's start and end). Cached."""
     key = json.dumps([policy.config.to_json_string(), sorted(tokenizer.get_vocab().items()), cfg.seed,
-                      cfg.demo_warmup_lr, cfg.demo_warmup_target, cfg.demo_warmup_max_steps, "v3"])
+                      cfg.demo_warmup_lr, cfg.demo_warmup_steps, "v4"])
     name = f"demo-warmup-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
     path = os.path.join(os.path.expanduser(cfg.demo_cache), name)
     if os.path.exists(path):
@@ -1291,17 +1300,17 @@ def demo_warmup(policy, tokenizer, train_pairs, cfg: Config):
         policy.load_state_dict(saved["state_dict"])
         print(f"warm-up: loaded {path} ({saved['steps']} steps, sampled train accuracy {saved['accuracy']:.2f})")
         return
-    if cfg.demo_warmup_max_steps == 0:
+    if cfg.demo_warmup_steps == 0:
         return
     t0 = time.time()
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.demo_warmup_lr, weight_decay=0.0)
+    # beta2 0.95, as in LLM pre-training: with 0.999 the accuracy's jump came anywhere from ~250 to 700+ steps
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.demo_warmup_lr, betas=(0.9, 0.95), weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 50))  # 50-step LR warm-up
-    rng, check_rng = random.Random(cfg.seed), random.Random(cfg.seed + 1)  # training rows, accuracy-check rows
+    rng = random.Random(cfg.seed)
     all_ids = format_prompts(tokenizer, [addition_prompt(a, b) for a, b in train_pairs], False, 64)
     answers = [tokenizer(str(a + b), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
                for a, b in train_pairs]
-    accuracy, step = 0.0, 0
-    for step in range(1, cfg.demo_warmup_max_steps + 1):
+    for step in range(1, cfg.demo_warmup_steps + 1):
         rows = rng.sample(range(len(train_pairs)), 128)
         ids, mask = left_pad([all_ids[i] for i in rows], tokenizer.pad_token_id, policy.device)
         response = tokenizer.pad({"input_ids": [answers[i] for i in rows]}, padding_side="right", return_tensors="pt")
@@ -1315,14 +1324,11 @@ def demo_warmup(policy, tokenizer, train_pairs, cfg: Config):
         optimizer.step()
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
-        if step % 5 == 0:  # often: the accuracy jumps within a few steps and PPO must start below ~40%
-            check = check_rng.sample(range(len(train_pairs)), 256)
-            accuracy = evaluate(policy, tokenizer, [all_ids[i] for i in check],
-                                [addition_prompt(*train_pairs[i]) for i in check], cfg, seed=step)
-            print(f"\rwarm-up step {step}: loss {loss.item():.3f}, sampled train accuracy {accuracy:.2f}", end="",
-                  flush=True)
-            if accuracy >= cfg.demo_warmup_target:
-                break
+        if step % 25 == 0:
+            print(f"\rwarm-up step {step}/{cfg.demo_warmup_steps}: loss {loss.item():.3f}", end="", flush=True)
+    check = random.Random(cfg.seed + 1).sample(range(len(train_pairs)), 256)  # for the log only
+    texts = [addition_prompt(*train_pairs[i]) for i in check]
+    accuracy = evaluate(policy, tokenizer, [all_ids[i] for i in check], texts, cfg, seed=step)
     print(f"\nwarm-up: {step} steps in {time.time() - t0:.1f} s, sampled train accuracy {accuracy:.2f}")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     torch.save({"state_dict": policy.state_dict(), "steps": step, "accuracy": accuracy}, path + ".tmp")
@@ -2007,7 +2013,7 @@ def bench_rollout(cfg: Config):
     """--bench-rollout: (1) tokens/s of our sampler (also with each group's prefill shared, and compiled) vs
     transformers' generate, --batch-size rows of --response-length tokens; on CUDA the decode step vs the weights-read
     bound. (2) bench_update."""
-    cfg = dataclasses.replace(cfg, demo_warmup_max_steps=0)  # speed does not depend on the weights
+    cfg = dataclasses.replace(cfg, demo_warmup_steps=0)  # speed does not depend on the weights
     run = setup(cfg)  # (which may turn --full-logits on)
     tokenizer, device = run.tokenizer, run.policy.device
     B, T, n = cfg.batch_size, cfg.response_length, cfg.samples_per_prompt
@@ -2154,10 +2160,8 @@ def parse_config(argv=None) -> Config:
 
 
 def check_config(cfg: Config):
-    """Resolve the derived values and check every size once, with errors that name the flags to change."""
+    """Check every value and size once (Config resolved the defaults), with errors that name the flags to change."""
     demo = not cfg.model and not cfg.prompts
-    if cfg.response_length == 0:
-        cfg.response_length = 4 if demo else 128
     world = int(os.environ.get("WORLD_SIZE", "1"))  # under torchrun --batch-size is global; each rank takes 1/world
     ranks = f" x {world} ranks (torchrun's WORLD_SIZE)" if world > 1 else ""
     minibatch_size = cfg.batch_size // max(1, cfg.minibatches * world)  # per rank
@@ -2215,6 +2219,7 @@ def check_config(cfg: Config):
 def main(argv=None):
     cfg = parse_config(argv)
     ctx = init_distributed(cfg)
+    print("defaults: " + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in cfg.resolved.items()))
     try:
         if cfg.bench_rollout:  # (writes nothing)
             return bench_rollout(cfg)

@@ -1018,7 +1018,7 @@ def check_outputs(output_dir, steps, tokenizer_check=None):
 
 
 TINY = ["--batch-size", "16", "--minibatches", "2", "--micro-batch-size", "4", "--steps", "3", "--eval-size", "40",
-        "--eval-every", "2", "--demo-warmup-max-steps", "0", "--sample-every", "2", "--device", "cpu"]  # (bit-exact)
+        "--eval-every", "2", "--demo-warmup-steps", "0", "--sample-every", "2", "--device", "cpu"]  # (bit-exact)
 
 
 @slow
@@ -1068,6 +1068,7 @@ def test_model_directory_prompts_file_and_reward_function(tmp_path, tokenizer):
                       "--reward", "my_rewards:score", "--response-length", "5", "--output-dir", str(tmp_path / "run")],
                      tmp_path)
     assert "zero-initialised head" in out
+    assert "defaults: --ppo-epochs 1, --lr 1e-06, --critic-lr 1e-05, --dtype float32" in out  # --model's, and logged
     records = check_outputs(tmp_path / "run", 3)
     assert "eval_accuracy" not in records[-1]
     assert all(r["response_tokens"] <= 16 * 5 for r in records)
@@ -1104,7 +1105,7 @@ def write_reward_module(path):
 
 
 LOOP = ["--batch-size", "16", "--minibatches", "2", "--micro-batch-size", "8", "--steps", "4", "--response-length", "6",
-        "--demo-warmup-max-steps", "0", "--sample-every", "0", "--reward", "count_ones:score", "--lr", "3e-3",
+        "--demo-warmup-steps", "0", "--sample-every", "0", "--reward", "count_ones:score", "--lr", "3e-3",
         "--device", "cpu"]  # the CPU: bit-exact assertions; their CUDA twins add --device cuda
 
 
@@ -1925,6 +1926,23 @@ def test_critic_free_runs_have_their_own_demo_defaults_and_a_flag_given_wins():
     assert not given.drop_flat_groups  # a flag given wins
 
 
+def test_a_real_model_gets_real_model_defaults_and_the_log_lists_every_resolved_value():
+    """The demo's learning rates (5e-4 / 1e-3) would wreck a real model within a few updates; --model's defaults are
+    the README's, and Config.resolved (which main prints) names every value a default resolved to."""
+    real, grouped = pt.Config(model="m", device="cpu"), pt.Config(model="m", advantage="grpo", samples_per_prompt=8)
+    assert (real.lr, real.critic_lr, real.steps, real.batch_size, real.response_length, real.ppo_epochs) == \
+        (1e-6, 1e-5, 1000, 64, 256, 1)
+    assert (grouped.lr, grouped.batch_size, grouped.ppo_epochs, grouped.kl_in, grouped.kl_estimator) == \
+        (1e-6, 128, 1, "loss", "k3")
+    assert real.dtype == "float32" and real.resolved["dtype"] == "float32"  # auto: bfloat16 on CUDA only
+    assert real.resolved == {"steps": 1000, "batch_size": 64, "response_length": 256, "ppo_epochs": 1, "lr": 1e-6,
+                             "critic_lr": 1e-5, "dtype": "float32", "kl_in": "reward", "drop_flat_groups": False,
+                             "kl_estimator": "k1"}
+    given = pt.Config(model="m", lr=3e-6, dtype="bfloat16", drop_flat_groups=False)
+    assert given.lr == 3e-6 and given.dtype == "bfloat16"  # a flag given wins, and is not listed
+    assert not {"lr", "dtype", "drop_flat_groups"} & given.resolved.keys()
+
+
 def test_help_lists_every_config_field():
     out = subprocess.run([sys.executable, SCRIPT, "--help"], capture_output=True, text=True, check=True).stdout
     for f in pt.dataclasses.fields(pt.Config):
@@ -2479,6 +2497,9 @@ def test_cuda_set_up_sets_the_device_and_the_matmul_precision(tmp_path):
         run = pt.setup(cfg)
         assert torch.backends.cuda.matmul.allow_tf32 is tf32 and run.policy.device == torch.device("cuda:0")
         assert torch.cuda.current_device() == 0
+        # --dtype auto: the frozen reference in bf16 on CUDA (a third fp32 model's memory otherwise); trained in fp32
+        assert {p.dtype for p in run.reference.parameters()} == {torch.bfloat16}
+        assert {p.dtype for p in run.policy.parameters()} == {torch.float32}
     if torch.cuda.device_count() > 1:  # --device cuda:1 in one process: Triton, streams, graphs on device 1
         out = run_cuda_script([*TINY, "--device", "cuda:1", "--output-dir", str(tmp_path / "one")], tmp_path)
         assert "on cuda:1" in out
@@ -2766,7 +2787,7 @@ def test_reinforce_pp_needs_no_critic_nor_groups_and_micro_batches_score_the_sam
     assert not estimator.critic and not estimator.groups and estimator.kl_in == "reward"
     cfg = pt.parse_config(["--advantage", "reinforce++", "--samples-per-prompt", "1"])  # accepted: no groups needed
     assert cfg.kl_in == "reward" and cfg.kl_estimator == "k1" and not cfg.drop_flat_groups and cfg.ppo_epochs == 1
-    run = pt.setup(pt.Config(advantage="reinforce++", demo_warmup_max_steps=0, demo_cache=str(tmp_path), eval_size=40,
+    run = pt.setup(pt.Config(advantage="reinforce++", demo_warmup_steps=0, demo_cache=str(tmp_path), eval_size=40,
                              device="cpu"))
     assert run.critic is None  # setup built no critic
     results = [variant_update(tokenizer, advantage="reinforce++", kl_coef=0.1, gamma=0.9, micro_batch_size=m)
@@ -2879,7 +2900,7 @@ def test_reward_functions_get_the_token_facts_they_name_and_the_demo_reward_is_o
                                        "    pairs = zip(facts['completion_ids'], facts['ended'])\n"
                                        "    return [len(ids) + ended for ids, ended in pairs]\n")
     monkeypatch.chdir(tmp_path)
-    demo, user = (pt.setup(pt.Config(reward=reward, demo_warmup_max_steps=0, demo_cache=str(tmp_path), eval_size=40,
+    demo, user = (pt.setup(pt.Config(reward=reward, demo_warmup_steps=0, demo_cache=str(tmp_path), eval_size=40,
                                      device="cpu")) for reward in ("", "facts:score"))  # setup's reward_fn
     assert demo.reward_fn.func is pt.rule_scores and demo.reward_fn.args == (pt.addition_reward,)
     assert demo.reward_fn(batch).tolist() == [1.0, 0.0, 0.0, 1.0]
@@ -2929,7 +2950,7 @@ def test_a_new_loss_estimator_and_mask_are_one_function_and_one_table_entry_each
     calls.clear()
     cfg = pt.parse_config(["--policy-loss", "doubled", "--advantage", "ones", "--pg-mask", "first", "--steps", "1",
                            "--batch-size", "8", "--minibatches", "1", "--response-length", "4", "--eval-size", "40",
-                           "--sample-every", "0", "--demo-warmup-max-steps", "0", "--demo-cache", str(tmp_path),
+                           "--sample-every", "0", "--demo-warmup-steps", "0", "--demo-cache", str(tmp_path),
                            "--device", "cpu"])
     run = pt.setup(cfg)
     assert run.critic is None
