@@ -1133,7 +1133,7 @@ def test_staleness_zero_with_the_thread_equals_the_synchronous_loop(tmp_path, mo
 def test_sampler_logprobs_run_one_policy_forward_fewer_per_micro_batch_of_scoring(tmp_path, advantage):
     """--trace's timeline (iterations 2 and 3) counts the log-prob forwards: the reference's, scoring's (one per
     micro-batch of the first epoch: --minibatches 2 here), the update's; --sampler-logprobs drops scoring's."""
-    base = ["--steps", "4", "--batch-size", "16", "--minibatches", "2", "--demo-warmup-max-steps", "0", "--eval-every",
+    base = ["--steps", "4", "--batch-size", "16", "--minibatches", "2", "--demo-warmup-steps", "0", "--eval-every",
             "100", "--eval-size", "40", "--sample-every", "0", "--demo-hidden", "32", "--demo-layers", "1", "--device",
             "cpu", "--demo-cache", str(tmp_path / "cache"), "--reward", "count_ones:score", *advantage]
     write_reward_module(tmp_path)
