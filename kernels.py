@@ -108,14 +108,17 @@ def _flat_inputs(rows, tokens, mask, kept_ids):
 
 # ---------------------------------------------------------------------------------------------------- torch path
 
-def _torch_chunks(mask, n_rows, width):
-    """Row chunks of at most _TORCH_CHUNK_ELEMS elements, over the real rows only (masked rows' garbage is never
-    read). Returns the real row ids (None = all) and a list of slices or id tensors."""
-    step = max(1, _TORCH_CHUNK_ELEMS // width)
+def _torch_chunks(logits, mask, kept):
+    """logits as (N, V) rows, the compute dtype (float32; float64 for float64), the real row ids (None = all) and
+    row chunks of at most _TORCH_CHUNK_ELEMS elements over them, slices or id tensors (masked rows are never read)."""
+    x2d = logits.reshape(-1, logits.shape[-1])  # a copy (input dtype) only if the leading dims cannot be merged
+    cdtype = torch.promote_types(logits.dtype, torch.float32)
+    n_rows = x2d.shape[0]
+    step = max(1, _TORCH_CHUNK_ELEMS // (x2d.shape[1] if kept is None else kept.shape[1]))
     rows = None if mask is None else mask.nonzero().squeeze(1)
     if rows is None or rows.numel() == n_rows:
-        return None, [slice(r0, min(r0 + step, n_rows)) for r0 in range(0, n_rows, step)]
-    return rows, [rows[r0:r0 + step] for r0 in range(0, rows.numel(), step)]
+        return x2d, cdtype, None, [slice(r0, min(r0 + step, n_rows)) for r0 in range(0, n_rows, step)]
+    return x2d, cdtype, rows, [rows[r0:r0 + step] for r0 in range(0, rows.numel(), step)]
 
 
 def _torch_log_probs(x2d, tokens, kept, temperature, cdtype, ids, row_max=None):
@@ -151,11 +154,8 @@ def _all_rows(parts, rows, n_rows, like):
 def _torch_forward(logits, tokens, mask, kept, temperature):
     """logp and entropy (N,), masked rows 0, then what _torch_backward needs: the row max (None when T = 1) and a
     copy of the entropy (the caller may modify the output in place)."""
-    V = logits.shape[-1]
-    cdtype = torch.promote_types(logits.dtype, torch.float32)  # the compute dtype: float32, float64 for float64
-    x2d = logits.reshape(-1, V)  # a copy (input dtype) only if the leading dims cannot be merged
+    x2d, cdtype, rows, chunks = _torch_chunks(logits, mask, kept)
     like = x2d.new_zeros(0, dtype=cdtype)
-    rows, chunks = _torch_chunks(mask, x2d.shape[0], V if kept is None else kept.shape[1])
     logps, entropies, row_maxes = [], [], []
     for ids in chunks:
         log_p, logp, row_max, _, _ = _torch_log_probs(x2d, tokens, kept, temperature, cdtype, ids)
@@ -169,11 +169,8 @@ def _torch_forward(logits, tokens, mask, kept, temperature):
 
 
 def _torch_backward(logits, tokens, mask, kept, temperature, row_max, entropy, g_logp, g_ent, inplace):
-    V = logits.shape[-1]
-    cdtype = torch.promote_types(logits.dtype, torch.float32)
-    x2d = logits.reshape(-1, V)
+    x2d, cdtype, rows, chunks = _torch_chunks(logits, mask, kept)
     N = x2d.shape[0]
-    rows, chunks = _torch_chunks(mask, N, V if kept is None else kept.shape[1])
     a = g_logp / temperature                                                    # (N,)
     b = g_ent / temperature                                                     # (N,)
     # Masked rows and the vocab outside a kept set get exactly 0; a single dense chunk is the gradient itself. In
@@ -185,7 +182,7 @@ def _torch_backward(logits, tokens, mask, kept, temperature, row_max, entropy, g
         if rows is not None:
             grad.index_fill_(0, (~mask).nonzero().squeeze(1), 0.0)
     elif rows is not None or kept is not None or len(chunks) > 1:
-        grad = torch.zeros(N, V, dtype=logits.dtype, device=logits.device)
+        grad = torch.zeros(x2d.shape, dtype=logits.dtype, device=logits.device)
     for ids in chunks:
         log_p, _, _, tok, k = _torch_log_probs(x2d, tokens, kept, temperature, cdtype, ids, row_max)
         a_c = a[ids][:, None]                                                   # (n, 1)
@@ -366,14 +363,13 @@ class _TokenLogprobsFn(torch.autograd.Function):
     def forward(ctx, logits, tokens, mask, kept, temperature, backend, inplace):
         logp, ent, *stats = _BACKENDS[backend][0](logits, tokens, mask, kept, temperature)
         ctx.save_for_backward(logits, tokens, mask, kept, *stats)
-        ctx.args = (temperature, backend, inplace)
+        ctx.args = (temperature, backend, inplace, logp.dtype)
         return logp, ent
 
     @staticmethod
     def backward(ctx, g_logp, g_ent):
         logits, tokens, mask, kept, *stats = ctx.saved_tensors
-        temperature, backend, inplace = ctx.args
-        cdtype = torch.promote_types(logits.dtype, torch.float32)
+        temperature, backend, inplace, cdtype = ctx.args
         # Upstream gradients may be broadcast views (loss = x.sum()); the kernels want contiguous (N,) vectors.
         g_logp = g_logp.reshape(-1).to(cdtype).contiguous()
         g_ent = g_ent.reshape(-1).to(cdtype).contiguous()
