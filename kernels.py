@@ -223,7 +223,6 @@ if triton is not None:
         x_tok = tl.load(x_row + tok, mask=active, other=0.0).to(tl.float32)
         # Online softmax over the row in blocks: m = running max of x (logit units), z = (x - m) / T,
         # l = sum exp(z), s = sum exp(z) z. When the max grows, old terms scale by alpha and s's old z shift.
-        # (x - m) is exact for the values that matter, so 1/T never rounds a large common offset.
         m = float("-inf")
         l = 0.0
         s = 0.0
@@ -254,13 +253,9 @@ if triton is not None:
         logp = (x_tok - m) * inv_temp - lse
         if HAS_KEPT:
             logp = tl.where(found > 0, logp, float("-inf"))  # sampled token outside the kept set
-        ent = lse - zbar
-        logp = tl.where(active, logp, 0.0)
-        ent = tl.where(active, ent, 0.0)
-        m = tl.where(active, m, 0.0)
-        tl.store(logp_ptr + row, logp)
-        tl.store(ent_ptr + row, ent)
-        tl.store(max_ptr + row, m)
+        tl.store(logp_ptr + row, tl.where(active, logp, 0.0))
+        tl.store(ent_ptr + row, tl.where(active, lse - zbar, 0.0))
+        tl.store(max_ptr + row, tl.where(active, m, 0.0))
         tl.store(lse_ptr + row, lse)
         tl.store(zbar_ptr + row, zbar)
 
@@ -278,20 +273,15 @@ if triton is not None:
         dx_row = dx_ptr + (row // n_inner) * dx_stride_outer + (row % n_inner) * dx_stride_inner
         tok = tl.load(tok_ptr + row)
         active = tl.load(mask_ptr + row) != 0
-        g_logp = tl.where(active, tl.load(glogp_ptr + row), 0.0)  # where, not *: the masked rows' values may be NaN
-        g_ent = tl.where(active, tl.load(gent_ptr + row), 0.0)
+        a = tl.where(active, tl.load(glogp_ptr + row), 0.0) * inv_temp  # where, not *: masked rows' values may be NaN
+        b = tl.where(active, tl.load(gent_ptr + row), 0.0) * inv_temp
         n_read = tl.where(active, n_cols, 0)
         # A masked dense row still loops, to write zeros (without reading); with kept ids the gradient buffer is
         # pre-zeroed, so a masked row does nothing.
-        if HAS_KEPT:
-            n_todo = n_read
-        else:
-            n_todo = n_cols
+        n_todo = n_read if HAS_KEPT else n_cols
         m = tl.load(max_ptr + row)
         lse = tl.load(lse_ptr + row)
         zbar = tl.load(zbar_ptr + row)
-        a = g_logp * inv_temp
-        b = g_ent * inv_temp
         for start in range(0, n_todo, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             if HAS_KEPT:  # (a masked row never gets here)
