@@ -143,29 +143,18 @@ def _torch_log_probs(x2d, tokens, kept, temperature, cdtype, ids, row_max=None):
     return log_p, logp, row_max, tok, kept
 
 
-def _all_rows(parts, rows, n_rows, like):
-    """The chunks' per-row values joined into one (n,) vector, and with a mask scattered into zeros (N,)."""
-    values = torch.cat(parts) if parts else like.new_zeros(0)
-    if rows is None:
-        return values
-    return like.new_zeros(n_rows).index_copy_(0, rows, values)
-
-
 def _torch_forward(logits, tokens, mask, kept, temperature):
     """logp and entropy (N,), masked rows 0, then what _torch_backward needs: the row max (None when T = 1) and a
     copy of the entropy (the caller may modify the output in place)."""
-    x2d, cdtype, rows, chunks = _torch_chunks(logits, mask, kept)
-    like = x2d.new_zeros(0, dtype=cdtype)
-    logps, entropies, row_maxes = [], [], []
+    x2d, cdtype, _, chunks = _torch_chunks(logits, mask, kept)
+    logp, entropy, row_max = [x2d.new_zeros(x2d.shape[0], dtype=cdtype) for _ in range(3)]  # (N,) each
     for ids in chunks:
-        log_p, logp, row_max, _, _ = _torch_log_probs(x2d, tokens, kept, temperature, cdtype, ids)
-        logps.append(logp)
-        entropies.append(log_p.exp().mul_(log_p).sum(dim=1).neg_())          # -sum p log p
-        row_maxes.append(row_max)
-    logp = _all_rows(logps, rows, x2d.shape[0], like)
-    entropy = _all_rows(entropies, rows, x2d.shape[0], like)
-    row_max = _all_rows(row_maxes, rows, x2d.shape[0], like) if temperature != 1.0 else None
-    return logp, entropy, row_max, entropy.clone()
+        log_p, chunk_logp, chunk_max, _, _ = _torch_log_probs(x2d, tokens, kept, temperature, cdtype, ids)
+        logp[ids] = chunk_logp
+        entropy[ids] = log_p.exp().mul_(log_p).sum(dim=1).neg_()                 # -sum p log p
+        if temperature != 1.0:
+            row_max[ids] = chunk_max
+    return logp, entropy, row_max if temperature != 1.0 else None, entropy.clone()
 
 
 def _torch_backward(logits, tokens, mask, kept, temperature, row_max, entropy, g_logp, g_ent, inplace):
