@@ -870,12 +870,10 @@ def timed(fns: dict, device, reps=5):
     times = {name: [] for name in fns}
     for rep in range(reps + 1):
         for name, fn in fns.items():
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            torch.get_device_module(device).synchronize(device)  # (a no-op on CPU)
             t0 = time.perf_counter()
             fn()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            torch.get_device_module(device).synchronize(device)
             if rep:  # (rep 0: the warm-up)
                 times[name].append(time.perf_counter() - t0)
     return {name: sorted(t)[reps // 2] for name, t in times.items()}
@@ -926,17 +924,15 @@ def _peak_mb(fn, device):
 
 
 def _measure(fn, tensors, device, reps, backward):
-    """(ms, peak MB) of one _call, or why it has none, twice."""
+    """(ms, peak MB) of one _call, or ("OOM", "OOM"); any other error stops the benchmark."""
     call = functools.partial(_call, fn, tensors, backward)
     try:
         return 1e3 * timed({"call": call}, device, reps)["call"], _peak_mb(call, device)
     except torch.OutOfMemoryError:
         return "OOM", "OOM"
-    except Exception as e:  # e.g. torch.compile without a working compiler
-        return f"fail: {type(e).__name__}", "-"
 
 
-def _cell(value, spec):  # a number in spec, or the reason why there is none as it is
+def _cell(value, spec):  # a number in spec, or "OOM" / "-" as it is
     return format(value, spec) if isinstance(value, float) else str(value)
 
 
@@ -944,14 +940,15 @@ def _bench():
     gpu = torch.cuda.is_available()
     device = torch.device("cuda" if gpu else "cpu")
     reps = 5 if gpu else 3
-    if gpu:
-        shapes = [(n, v, "bf16") for v in (32000, 151936) for n in (8192, 32768, 65536)] + [(8192, 32000, "fp32")]
-    else:  # small enough for a laptop; the last one is the CPU demo's shape (many tiny calls)
-        shapes = [(512, 32000, "fp32"), (2048, 8192, "bf16"), (2048, 16, "fp32")]
     methods = {"eager": _eager_logprobs, "torch.compile(eager)": torch.compile(_eager_logprobs),
                "ours, torch path": functools.partial(token_logprobs, backend="torch")}
     if gpu:
+        shapes = [(n, v, "bf16") for v in (32000, 151936) for n in (8192, 32768, 65536)] + [(8192, 32000, "fp32")]
+        linear_shapes, linear_dtype = [(8192, 32000, 4096), (8192, 151936, 4096)], torch.bfloat16
         methods["ours, triton"] = functools.partial(token_logprobs, backend="triton")
+    else:  # small enough for a laptop; the last one is the CPU demo's shape (many tiny calls)
+        shapes = [(512, 32000, "fp32"), (2048, 8192, "bf16"), (2048, 16, "fp32")]
+        linear_shapes, linear_dtype = [(512, 32000, 256)], torch.float32
     print(f"device: {torch.cuda.get_device_name() if gpu else 'cpu'}, torch {torch.__version__}, "
           f"triton {getattr(triton, '__version__', 'not installed')}; ms: median of {reps} runs after a warm-up")
     print("peak MB: torch's allocations above the inputs. GB/s: the logits' bytes read (fwd), or read twice and the "
@@ -977,14 +974,10 @@ def _bench():
             print(f"{'':>22} | {name:<24} | {cells[0]:>10} {cells[1]:>8} {cells[2]:>6} | {cells[3]:>10} "
                   f"{cells[4]:>8} {cells[5]:>6}")
         del logits
-    if gpu:
-        shapes, dtype = [(8192, 32000, 4096), (8192, 151936, 4096)], torch.bfloat16
-    else:
-        shapes, dtype = [(512, 32000, 256)], torch.float32
-    print(f"\nfused linear (hidden @ W.T inside), forward + backward w.r.t. hidden and W, {str(dtype)[6:]}:")
-    for n, v, h in shapes:
-        hidden = torch.randn(n, h, device=device, dtype=dtype)
-        weight = torch.randn(v, h, device=device, dtype=dtype) / h**0.5
+    print(f"\nfused linear (hidden @ W.T inside), forward + backward w.r.t. hidden and W, {str(linear_dtype)[6:]}:")
+    for n, v, h in linear_shapes:
+        hidden = torch.randn(n, h, device=device, dtype=linear_dtype)
+        weight = torch.randn(v, h, device=device, dtype=linear_dtype) / h**0.5
         tokens = torch.randint(0, v, (n,), device=device)
         eager_ms, eager_mb = _measure(_eager_linear_logprobs, [hidden, weight, tokens], device, reps, True)
         fused_ms, fused_mb = _measure(linear_token_logprobs, [hidden, weight, tokens], device, reps, True)
