@@ -311,10 +311,9 @@ def _launch(kernel, x, tokens, mask, kept, temperature, *args):
 
 
 def _triton_forward(logits, tokens, mask, kept, temperature):
-    N = tokens.numel()
-    logp, ent, row_max, lse, zbar = [torch.empty(N, dtype=torch.float32, device=logits.device) for _ in range(5)]
-    _launch(_logprob_fwd_kernel, _rows(logits), tokens, mask, kept, temperature, logp, ent, row_max, lse, zbar)
-    return logp, ent, row_max, lse, zbar
+    outputs = [torch.empty(tokens.numel(), dtype=torch.float32, device=logits.device) for _ in range(5)]
+    _launch(_logprob_fwd_kernel, _rows(logits), tokens, mask, kept, temperature, *outputs)
+    return outputs  # logp, entropy, row max, lse, zbar
 
 
 def _triton_backward(logits, tokens, mask, kept, temperature, row_max, lse, zbar, g_logp, g_ent, inplace):
@@ -408,8 +407,7 @@ class _LinearTokenLogprobsFn(torch.autograd.Function):
         g_ent = g_ent.to(cdtype).contiguous()
         need_h, need_w = ctx.needs_input_grad[:2]
         d_hidden = torch.empty_like(hidden) if need_h else None
-        # d(weight) is summed over the chunks in float32, then cast to the weight's dtype
-        d_weight = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
+        d_weight = torch.zeros_like(weight, dtype=torch.float32) if need_w else None  # summed over chunks in fp32
         for r0 in range(0, hidden.shape[0], chunk):
             r = slice(r0, r0 + chunk)
             logits = hidden[r] @ weight.T                                               # (c, V) recomputed
@@ -581,11 +579,10 @@ def use_packed_attention(backbone, bf16=False) -> str:
         raise SystemExit(f"--micro-batch-tokens packs sequences through SDPA; {type(backbone).__name__} uses "
                          f"{backbone.config._attn_implementation!r} attention. Leave --micro-batch-tokens at 0")
     device = backbone.device
-    ids = torch.randint(1, backbone.config.vocab_size, (2, 5), device=device)
     prompt_mask = torch.tensor([[0, 1, 1], [1, 1, 1]], device=device)
     response_mask = torch.tensor([[1, 1], [1, 0]], device=device)
     attention_mask = torch.cat([prompt_mask, response_mask], 1)  # (2, 5): a left pad and a right pad
-    input_ids = ids.masked_fill(attention_mask == 0, 0)
+    input_ids = torch.randint(1, backbone.config.vocab_size, (2, 5), device=device).masked_fill(attention_mask == 0, 0)
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     padded = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
     packed = dict(zip(("input_ids", "attention_mask", "position_ids", "packed_layout"),
