@@ -107,7 +107,8 @@ class Config:
     bench_overlap: bool = arg(False, "benchmark: run --steps iterations at --max-staleness 0, 1 and 2, print a table")
     bench_rollout: bool = arg(False, "benchmark: our sampler vs HF generate (tokens/s), and packed vs padded updates")
     static_cache: bool = arg(True, "sample with a preallocated KV cache (+ CUDA graphs); off = DynamicCache")
-    compile_sampler: bool = arg(False, "torch.compile the sampler's steps (~10-40 s at start); needs the static cache")
+    compile_sampler: bool = arg(None, "torch.compile the sampler's steps (~10-90 s at start); default: where it pays, "
+                                "sampler_compiles")
     full_logits: bool = arg(False, "log-probs from full [tokens, vocab] logits, not the fused lm_head path")
     fsdp: bool = arg(False, "torchrun: shard actor/critic weights, grads, Adam states (FSDP2), not replicate (DDP)")
     # the built-in demo
@@ -1429,6 +1430,9 @@ class Producer:
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream())
         self.thread = None
+        self.threads = torch.get_num_threads()  # the trainer's intra-op threads, given back by close()
+        if t.threaded and self.stream is None:  # CPU: the sampler thread takes one core, the trainer the others
+            torch.set_num_threads(max(1, self.threads - 1))
         if t.threaded:
             self.thread = threading.Thread(target=self._run, args=(t.start, t.cfg.steps), daemon=True,
                                            name="ppo_tokens-sampler")
@@ -1441,7 +1445,7 @@ class Producer:
             return make_batch(self.t, i, self.stop)
 
     def _run(self, start: int, n: int):
-        if self.stream is None:  # CPU: the Python-bound decode needs one core; the trainer keeps the others
+        if self.stream is None:  # CPU: the Python-bound decode needs one core, and no more (decode_threads)
             torch.set_num_threads(1)  # (intra-op threads are per calling thread)
         try:
             for i in range(start, n):
@@ -1479,6 +1483,7 @@ class Producer:
             self.thread.join(timeout=30)
             if self.thread.is_alive():
                 print("warning: the sampler thread did not stop within 30 s")
+        torch.set_num_threads(self.threads)
 
 
 def micro_batch_rows(batch: Rollout, minibatches, cfg: Config, ranks_agree=False):
@@ -1586,6 +1591,7 @@ def start_training(cfg: Config, run, output_dir: str, threaded, ctx: Dist) -> Tr
                 print(f"resume: set aside {newer}, newer than the checkpoint resumed from (now .abandoned-*)")
         print(f"resumed from {cfg.resume} after iteration {t.start}/{cfg.steps}")
     sync.publish(t.start)  # the sampler starts from the trainer's (maybe just loaded) weights, as version `start`
+    cfg.compile_sampler = sampler_compiles(cfg, device)  # (before config.json: it logs what ran)
     sync.pull()
     if ctx.rank == 0:
         write_file(os.path.join(output_dir, "config.json"), json.dumps(dataclasses.asdict(cfg), indent=2))
@@ -1595,10 +1601,33 @@ def start_training(cfg: Config, run, output_dir: str, threaded, ctx: Dist) -> Tr
     t.decoder = sampler
     if cfg.static_cache:
         longest = max(map(len, run.prompt_ids)) + cfg.response_length
-        cpu_thread = threaded and sampler.device.type == "cpu"  # the sampler thread runs one intra-op thread
-        t.decoder = fast_decoder(sampler, rank_rows.stop - rank_rows.start, longest, PlainDecoder,
-                                 cfg.compile_sampler, threads=1 if cpu_thread else 0, group=cfg.samples_per_prompt)
+        t.decoder = fast_decoder(sampler, rank_rows.stop - rank_rows.start, longest, PlainDecoder, cfg.compile_sampler,
+                                 threads=decode_threads(sampler.device), group=cfg.samples_per_prompt)
     return t
+
+
+def sampler_compiles(cfg: Config, device) -> bool:
+    """--compile-sampler as given; by default on a CPU where inductor finds its C++ compiler and the compile pays back
+    within the run: on 2 cores it took ~90 s and saved ~0.16 ms per sampled token (README), so from 500k tokens on."""
+    if cfg.compile_sampler is not None:
+        return cfg.compile_sampler
+    tokens = cfg.steps * cfg.batch_size * cfg.response_length
+    compiler = shutil.which(os.environ.get("CXX", "g++"))
+    return device.type == "cpu" and cfg.static_cache and tokens >= 500_000 and compiler is not None
+
+
+def decode_threads(device) -> int:  # CPU: one intra-op thread; a decode step's small ops lose more than they gain
+    return 1 if device.type == "cpu" else 0  # from a second (and on a busy machine much more: OpenMP spin-waits)
+
+
+@contextlib.contextmanager
+def intra_op_threads(n: int):  # this thread's intra-op threads set to n for a while (0: left as they are)
+    before = torch.get_num_threads()
+    torch.set_num_threads(n or before)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def make_batch(t: Training, i: int, stop: threading.Event) -> Rollout:
@@ -1617,8 +1646,9 @@ def make_batch(t: Training, i: int, stop: threading.Event) -> Rollout:
             if stop.is_set():
                 raise InterruptedError("the run is stopping")
             return t.sync.pull() if cfg.inflight_updates else version
-        batch = generate(t.decoder, ids, mask, **args, generator=t.sample_generator, policy_version=version,
-                         between_steps=next_version)
+        with intra_op_threads(decode_threads(ids.device)):
+            batch = generate(t.decoder, ids, mask, **args, generator=t.sample_generator, policy_version=version,
+                             between_steps=next_version)
         batch.prompts = [run.prompt_texts[r] for r in rows]
         batch.completions = decode_completions(run.tokenizer, batch)
         batch.gen_s = time.perf_counter() - t0
