@@ -1445,7 +1445,7 @@ class Producer:
             return make_batch(self.t, i, self.stop)
 
     def _run(self, start: int, n: int):
-        if self.stream is None:  # CPU: the Python-bound decode needs one core, and no more (decode_threads)
+        if self.stream is None:  # CPU: the Python-bound decode needs one core, and no more (make_batch)
             torch.set_num_threads(1)  # (intra-op threads are per calling thread)
         try:
             for i in range(start, n):
@@ -1602,7 +1602,7 @@ def start_training(cfg: Config, run, output_dir: str, threaded, ctx: Dist) -> Tr
     if cfg.static_cache:
         longest = max(map(len, run.prompt_ids)) + cfg.response_length
         t.decoder = fast_decoder(sampler, rank_rows.stop - rank_rows.start, longest, PlainDecoder, cfg.compile_sampler,
-                                 threads=decode_threads(sampler.device), group=cfg.samples_per_prompt)
+                                 threads=1 if device.type == "cpu" else 0, group=cfg.samples_per_prompt)
     return t
 
 
@@ -1614,10 +1614,6 @@ def sampler_compiles(cfg: Config, device) -> bool:
     tokens = cfg.steps * cfg.batch_size * cfg.response_length
     compiler = shutil.which(os.environ.get("CXX", "g++"))
     return device.type == "cpu" and cfg.static_cache and tokens >= 500_000 and compiler is not None
-
-
-def decode_threads(device) -> int:  # CPU: one intra-op thread; a decode step's small ops lose more than they gain
-    return 1 if device.type == "cpu" else 0  # from a second (and on a busy machine much more: OpenMP spin-waits)
 
 
 @contextlib.contextmanager
@@ -1646,7 +1642,9 @@ def make_batch(t: Training, i: int, stop: threading.Event) -> Rollout:
             if stop.is_set():
                 raise InterruptedError("the run is stopping")
             return t.sync.pull() if cfg.inflight_updates else version
-        with intra_op_threads(decode_threads(ids.device)):
+        # CPU: one intra-op thread; a decode step's small ops lose more than they gain from a second (on a busy
+        # machine much more: OpenMP threads spin-wait for each other), and fast_decoder compiled for one
+        with intra_op_threads(1 if ids.device.type == "cpu" else 0):
             batch = generate(t.decoder, ids, mask, **args, generator=t.sample_generator, policy_version=version,
                              between_steps=next_version)
         batch.prompts = [run.prompt_texts[r] for r in rows]
