@@ -109,7 +109,7 @@ class Config:
     bench_overlap: bool = arg(False, "benchmark: run --steps iterations at --max-staleness 0, 1 and 2, print a table")
     bench_rollout: bool = arg(False, "benchmark: our sampler vs HF generate (tokens/s), and packed vs padded updates")
     static_cache: bool = arg(True, "sample with a preallocated KV cache (+ CUDA graphs); off = DynamicCache")
-    compile_sampler: bool = arg(False, "torch.compile the sampler's steps (~10-40 s at start); needs the static cache")
+    compile_sampler: bool = arg(None, "torch.compile the sampler's steps (~10-90 s at start); default: where it pays")
     full_logits: bool = arg(False, "log-probs from full [tokens, vocab] logits, not the fused lm_head path")
     fsdp: bool = arg(False, "torchrun: shard actor/critic weights, grads, Adam states (FSDP2), not replicate (DDP)")
     # the built-in demo
@@ -155,6 +155,11 @@ class Config:
             self.resolved["kl_estimator"] = "k1" if self.resolved.get("kl_in", self.kl_in) == "reward" else "k3"
         for name, value in self.resolved.items():
             setattr(self, name, value)
+        if self.compile_sampler is None:  # on a CPU with a C++ compiler, where its ~90 s pay back: ~0.16 ms a token
+            compiler = shutil.which(os.environ.get("CXX", "g++")) is not None
+            long_run = self.steps * self.batch_size * self.response_length >= 500_000  # sampled tokens
+            self.resolved["compile_sampler"] = not cuda and self.static_cache and long_run and compiler
+            self.compile_sampler = self.resolved["compile_sampler"]
 
 
 UNSET = (0, "auto", "", None)  # a flag's values that mean "the default that fits the run" (Config.__post_init__)
@@ -1470,6 +1475,9 @@ class Producer:
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream())
         self.thread = None
+        self.threads = torch.get_num_threads()  # the trainer's intra-op threads, given back by close()
+        if t.threaded and self.stream is None:  # CPU: the sampler thread takes one core, the trainer the others
+            torch.set_num_threads(max(1, self.threads - 1))
         if t.threaded:
             self.thread = threading.Thread(target=self._run, args=(t.start, t.cfg.steps), daemon=True,
                                            name="ppo_tokens-sampler")
@@ -1482,7 +1490,7 @@ class Producer:
             return make_batch(self.t, i, self.stop)
 
     def _run(self, start: int, n: int):
-        if self.stream is None:  # CPU: the Python-bound decode needs one core; the trainer keeps the others
+        if self.stream is None:  # CPU: the Python-bound decode needs one core, and no more (make_batch)
             torch.set_num_threads(1)  # (intra-op threads are per calling thread)
         else:  # a new thread's current device is cuda:0; torch.cuda.stream() would set it and open a context there
             torch.cuda.set_device(self.stream.device)
@@ -1522,6 +1530,7 @@ class Producer:
             self.thread.join(timeout=30)
             if self.thread.is_alive():
                 print("warning: the sampler thread did not stop within 30 s")
+        torch.set_num_threads(self.threads)
 
 
 def micro_batch_rows(batch: Rollout, minibatches, cfg: Config, ranks_agree=False):
@@ -1638,10 +1647,19 @@ def start_training(cfg: Config, run, output_dir: str, threaded, ctx: Dist) -> Tr
     t.decoder = sampler
     if cfg.static_cache:
         longest = max(map(len, run.prompt_ids)) + cfg.response_length
-        cpu_thread = threaded and sampler.device.type == "cpu"  # the sampler thread runs one intra-op thread
-        t.decoder = fast_decoder(sampler, rank_rows.stop - rank_rows.start, longest, PlainDecoder,
-                                 cfg.compile_sampler, threads=1 if cpu_thread else 0, group=cfg.samples_per_prompt)
+        t.decoder = fast_decoder(sampler, rank_rows.stop - rank_rows.start, longest, PlainDecoder, cfg.compile_sampler,
+                                 threads=1 if device.type == "cpu" else 0, group=cfg.samples_per_prompt)
     return t
+
+
+@contextlib.contextmanager
+def intra_op_threads(n: int):  # this thread's intra-op threads set to n for a while (0: left as they are)
+    before = torch.get_num_threads()
+    torch.set_num_threads(n or before)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def make_batch(t: Training, i: int, stop: threading.Event) -> Rollout:
@@ -1660,8 +1678,11 @@ def make_batch(t: Training, i: int, stop: threading.Event) -> Rollout:
             if stop.is_set():
                 raise InterruptedError("the run is stopping")
             return t.sync.pull() if cfg.inflight_updates else version
-        batch = generate(t.decoder, ids, mask, **args, generator=t.sample_generator, policy_version=version,
-                         between_steps=next_version)
+        # CPU: one intra-op thread; a decode step's small ops lose more than they gain from a second (on a busy
+        # machine much more: OpenMP threads spin-wait for each other), and fast_decoder compiled for one
+        with intra_op_threads(1 if ids.device.type == "cpu" else 0):
+            batch = generate(t.decoder, ids, mask, **args, generator=t.sample_generator, policy_version=version,
+                             between_steps=next_version)
         batch.prompts = [run.prompt_texts[r] for r in rows]
         batch.completions = decode_completions(run.tokenizer, batch)
         batch.gen_s = time.perf_counter() - t0

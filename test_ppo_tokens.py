@@ -1099,6 +1099,68 @@ def test_a_tokenizer_without_pad_and_a_reward_model_of_the_same_vocabulary(tmp_p
     assert all(math.isfinite(r["reward_mean"]) for r in records)
 
 
+def bench_workload(directory, seed=0):
+    """The CPU speed workload of the README (issue 23): policy/ (a random Llama, hidden 256 x 4 layers, vocab 512),
+    rm/ (a LlamaForSequenceClassification of the same vocabulary, so the critic starts from it) and prompts.jsonl
+    (prompts of 32 tokens). Usage: python -c "from test_ppo_tokens import bench_workload; bench_workload('wl')"."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification, PreTrainedTokenizerFast
+    words = ["<pad>", "<bos>", "<eos>", "<unk>", *(f"w{i}" for i in range(508))]  # 512 tokens
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
+                                  unk_token="<unk>", padding_side="left")
+    config = dict(vocab_size=len(words), hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=4, intermediate_size=688, max_position_embeddings=128, tie_word_embeddings=False,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(seed)
+    built = {"policy": LlamaForCausalLM(LlamaConfig(**config)),
+             "rm": LlamaForSequenceClassification(LlamaConfig(**config, num_labels=1))}
+    for name, model in built.items():
+        model.save_pretrained(os.path.join(directory, name))
+        tok.save_pretrained(os.path.join(directory, name))
+    g = torch.Generator().manual_seed(seed)
+    with open(os.path.join(directory, "prompts.jsonl"), "w") as f:
+        for _ in range(256):
+            ids = torch.randint(4, len(words), (32,), generator=g).tolist()
+            f.write(json.dumps({"prompt": " ".join(words[i] for i in ids)}) + "\n")
+
+
+# the issue-23 speed workload's flags (README), every one given: --model's defaults may change
+BENCH = ["--response-length", "64", "--batch-size", "16", "--minibatches", "2", "--ppo-epochs", "1", "--temperature",
+         "0.7", "--no-chat-template", "--lr", "1e-6", "--critic-lr", "1e-5", "--seed", "1", "--sample-every", "0",
+         "--device", "cpu"]
+
+
+def test_speed_workload_runs_with_a_critic_from_its_reward_model(tmp_path):
+    """The speed workload (two iterations): prompts of 32 tokens, 64-token responses, the critic from the reward model,
+    the first minibatch's ratio exactly 1."""
+    bench_workload(tmp_path / "wl")
+    out = run_script(["--model", tmp_path / "wl" / "policy", "--prompts", tmp_path / "wl" / "prompts.jsonl",
+                      "--reward-model", tmp_path / "wl" / "rm", *BENCH, "--steps", "2",
+                      "--output-dir", tmp_path / "run"], tmp_path)
+    assert "critic from the reward model" in out
+    records = [r for r in read_metrics(tmp_path / "run") if r["step"] > 0]
+    assert len(records) == 2 and all(r["first_ratio_max_dev"] == 0.0 for r in records)
+    assert all(r["padding_frac"] < 0.5 and r["response_length"] > 32 for r in records)
+
+
+def test_the_sampler_compiles_by_default_only_where_the_compile_pays_back(monkeypatch):
+    """A CPU run of >= 500k sampled tokens with a C++ compiler; never on CUDA (graphs) or without the static cache."""
+    import shutil
+    short = dict(steps=20, batch_size=16, response_length=64, device="cpu")  # 20k tokens
+    long = {**short, "steps": 500}  # 512k tokens
+    assert not pt.Config(**short).compile_sampler
+    assert pt.Config(**long).compile_sampler == (shutil.which("g++") is not None)
+    assert pt.Config(**long).resolved["compile_sampler"] == pt.Config(**long).compile_sampler  # logged as resolved
+    assert not pt.Config(**{**long, "device": "cuda"}).compile_sampler
+    assert not pt.Config(**long, static_cache=False).compile_sampler
+    assert pt.Config(**short, compile_sampler=True).compile_sampler
+    assert not pt.Config(**long, compile_sampler=False).compile_sampler
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    assert not pt.Config(**long).compile_sampler
+
+
 def write_reward_module(path):
     (path / "count_ones.py").write_text("def score(prompts, completions):\n"
                                         "    return [c.count('1') / 4 for c in completions]\n")
@@ -1929,12 +1991,14 @@ def test_critic_free_runs_have_their_own_demo_defaults_and_a_flag_given_wins():
 def test_a_real_model_gets_real_model_defaults_and_the_log_lists_every_resolved_value():
     """The demo's learning rates (5e-4 / 1e-3) would wreck a real model within a few updates; --model's defaults are
     the README's, and Config.resolved (which main prints) names every value a default resolved to."""
+    import shutil
     real, grouped = pt.Config(model="m", device="cpu"), pt.Config(model="m", advantage="grpo", samples_per_prompt=8)
     assert (real.lr, real.critic_lr, real.steps, real.batch_size, real.response_length, real.ppo_epochs) == \
         (1e-6, 1e-5, 1000, 64, 256, 1)
     assert (grouped.lr, grouped.batch_size, grouped.ppo_epochs, grouped.kl_in, grouped.kl_estimator) == \
         (1e-6, 128, 1, "loss", "k3")
     assert real.dtype == "float32" and real.resolved["dtype"] == "float32"  # auto: bfloat16 on CUDA only
+    assert real.resolved.pop("compile_sampler") == (shutil.which("g++") is not None)  # 16M sampled tokens on a CPU
     assert real.resolved == {"steps": 1000, "batch_size": 64, "response_length": 256, "ppo_epochs": 1, "lr": 1e-6,
                              "critic_lr": 1e-5, "dtype": "float32", "kl_in": "reward", "drop_flat_groups": False,
                              "kl_estimator": "k1"}
