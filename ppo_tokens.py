@@ -62,7 +62,7 @@ class Config:
     steps: int = arg(0, "PPO iterations (a batch and its update each); 0 = demo: 300, 800 critic-free; --model: 1000")
     batch_size: int = arg(0, "completions per iteration; 0 = demo: 256, 64 prompts x group; --model: 64, 16 x group")
     response_length: int = arg(0, "max new tokens per completion; 0 = demo: 4; --model: 256")
-    temperature: float = arg(1.0, "sampling temperature; scoring divides the logits by the same value")
+    temperature: float = arg(0.0, "sampling temperature, scoring divides the logits by it; 0 = demo: 0.7, --model: 1")
     top_k: int = arg(0, "sample from the k most likely tokens only (0 = off); log-probs renormalise over that set")
     top_p: float = arg(1.0, "nucleus sampling threshold (1 = off); keeps at most --top-k ids, 64 when --top-k is 0")
     # PPO
@@ -113,7 +113,7 @@ class Config:
     full_logits: bool = arg(False, "log-probs from full [tokens, vocab] logits, not the fused lm_head path")
     fsdp: bool = arg(False, "torchrun: shard actor/critic weights, grads, Adam states (FSDP2), not replicate (DDP)")
     # the built-in demo
-    demo_warmup_steps: int = arg(300, "supervised warm-up steps before PPO (0 = none); fixed, found once over seeds")
+    demo_warmup_steps: int = arg(400, "supervised warm-up steps before PPO (0 = none); fixed, found once over seeds")
     demo_warmup_lr: float = arg(3e-3, "warm-up learning rate (AdamW, betas (0.9, 0.95), 50-step linear warm-up)")
     demo_hidden: int = arg(128, "demo model width (3 layers, 4 heads; 128 = 0.6M parameters)")
     demo_layers: int = arg(3, "demo model depth")
@@ -143,10 +143,11 @@ class Config:
         cuda = self.device.startswith("cuda") or (self.device == "auto" and torch.cuda.is_available())
         if self.model:  # a real model: verl's and OpenRLHF's learning rates and one pass; a demo's would wreck it
             defaults = dict(steps=1000, batch_size=16 * n if groups else 64, response_length=256, ppo_epochs=1,
-                            lr=1e-6, critic_lr=1e-5)
+                            lr=1e-6, critic_lr=1e-5, temperature=1.0)
         else:  # the demo; critic-free: one pass (GRPO's mu = 1), 64 prompts x a group
             defaults = dict(steps=300 if critic else 800, batch_size=64 * n if groups else 256, response_length=4,
-                            ppo_epochs=2 if critic else 1, lr=5e-4 if critic else 3e-4, critic_lr=1e-3)
+                            ppo_epochs=2 if critic else 1, lr=5e-4 if critic else 3e-4, critic_lr=1e-3,
+                            temperature=0.7)  # (at 1 the end varied 0.78-0.92 with each machine's rounding)
         # the frozen models in bf16 on CUDA (memory), the KL where the estimator puts it, flat groups out of the loss
         defaults.update(dtype="bfloat16" if cuda else "float32", kl_in=estimator.kl_in, drop_flat_groups=groups)
         unset = [k for k, v in defaults.items() if getattr(self, k) is not False and getattr(self, k) in UNSET]
@@ -1490,7 +1491,7 @@ class Producer:
             return make_batch(self.t, i, self.stop)
 
     def _run(self, start: int, n: int):
-        if self.stream is None:  # CPU: the Python-bound decode needs one core, and no more (make_batch)
+        if self.stream is None:  # CPU: the Python-bound decode needs one core; the trainer keeps the others
             torch.set_num_threads(1)  # (intra-op threads are per calling thread)
         else:  # a new thread's current device is cuda:0; torch.cuda.stream() would set it and open a context there
             torch.cuda.set_device(self.stream.device)
@@ -1647,19 +1648,10 @@ def start_training(cfg: Config, run, output_dir: str, threaded, ctx: Dist) -> Tr
     t.decoder = sampler
     if cfg.static_cache:
         longest = max(map(len, run.prompt_ids)) + cfg.response_length
+        cpu_thread = threaded and sampler.device.type == "cpu"  # the sampler thread runs one intra-op thread
         t.decoder = fast_decoder(sampler, rank_rows.stop - rank_rows.start, longest, PlainDecoder, cfg.compile_sampler,
-                                 threads=1 if device.type == "cpu" else 0, group=cfg.samples_per_prompt)
+                                 threads=1 if cpu_thread else 0, group=cfg.samples_per_prompt)
     return t
-
-
-@contextlib.contextmanager
-def intra_op_threads(n: int):  # this thread's intra-op threads set to n for a while (0: left as they are)
-    before = torch.get_num_threads()
-    torch.set_num_threads(n or before)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def make_batch(t: Training, i: int, stop: threading.Event) -> Rollout:
@@ -1678,11 +1670,8 @@ def make_batch(t: Training, i: int, stop: threading.Event) -> Rollout:
             if stop.is_set():
                 raise InterruptedError("the run is stopping")
             return t.sync.pull() if cfg.inflight_updates else version
-        # CPU: one intra-op thread; a decode step's small ops lose more than they gain from a second (on a busy
-        # machine much more: OpenMP threads spin-wait for each other), and fast_decoder compiled for one
-        with intra_op_threads(1 if ids.device.type == "cpu" else 0):
-            batch = generate(t.decoder, ids, mask, **args, generator=t.sample_generator, policy_version=version,
-                             between_steps=next_version)
+        batch = generate(t.decoder, ids, mask, **args, generator=t.sample_generator, policy_version=version,
+                         between_steps=next_version)
         batch.prompts = [run.prompt_texts[r] for r in rows]
         batch.completions = decode_completions(run.tokenizer, batch)
         batch.gen_s = time.perf_counter() - t0

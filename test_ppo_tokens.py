@@ -1068,7 +1068,7 @@ def test_model_directory_prompts_file_and_reward_function(tmp_path, tokenizer):
                       "--reward", "my_rewards:score", "--response-length", "5", "--output-dir", str(tmp_path / "run")],
                      tmp_path)
     assert "zero-initialised head" in out
-    assert "defaults: --ppo-epochs 1, --lr 1e-06, --critic-lr 1e-05, --dtype float32" in out  # --model's, and logged
+    assert "defaults: --ppo-epochs 1, --lr 1e-06, --critic-lr 1e-05, --temperature 1.0, --dtype float32" in out
     records = check_outputs(tmp_path / "run", 3)
     assert "eval_accuracy" not in records[-1]
     assert all(r["response_tokens"] <= 16 * 5 for r in records)
@@ -1937,7 +1937,7 @@ def test_bench_rollout_runs_and_ends_with_the_ratio_line(tmp_path):  # the entry
 def test_config_errors_name_the_flags(capsys):
     cases = [(["--batch-size", "10", "--minibatches", "4"], "--batch-size 10 must be divisible by --minibatches 4"),
              (["--batch-size", "16", "--minibatches", "2", "--micro-batch-size", "3"], "--micro-batch-size 3"),
-             (["--temperature", "0"], "--temperature must be > 0"),
+             (["--temperature", "-0.5"], "--temperature must be > 0"),
              (["--max-staleness", "-1"], "--max-staleness must be >= 0"),
              (["--is-mode", "clip"], "--is-mode must be truncate or mask"),
              (["--kl-estimator", "k4"], "--kl-estimator must be k1, k2 or k3"),
@@ -1981,6 +1981,7 @@ def test_resume_refuses_a_flag_newer_than_the_checkpoint_unless_at_its_default(t
 def test_critic_free_runs_have_their_own_demo_defaults_and_a_flag_given_wins():
     gae, grpo = pt.Config(), pt.Config(advantage="grpo", samples_per_prompt=8)
     assert (gae.steps, gae.batch_size, gae.ppo_epochs, gae.lr, gae.drop_flat_groups) == (300, 256, 2, 5e-4, False)
+    assert gae.temperature == grpo.temperature == 0.7 and gae.demo_warmup_steps == 400
     assert (grpo.steps, grpo.batch_size, grpo.ppo_epochs, grpo.lr, grpo.drop_flat_groups) == (800, 512, 1, 3e-4, True)
     given = pt.parse_config(["--advantage", "rloo", "--samples-per-prompt", "4", "--steps", "7", "--batch-size", "16",
                              "--ppo-epochs", "3", "--lr", "1e-3", "--no-drop-flat-groups"])
@@ -2000,8 +2001,8 @@ def test_a_real_model_gets_real_model_defaults_and_the_log_lists_every_resolved_
     assert real.dtype == "float32" and real.resolved["dtype"] == "float32"  # auto: bfloat16 on CUDA only
     assert real.resolved.pop("compile_sampler") == (shutil.which("g++") is not None)  # 16M sampled tokens on a CPU
     assert real.resolved == {"steps": 1000, "batch_size": 64, "response_length": 256, "ppo_epochs": 1, "lr": 1e-6,
-                             "critic_lr": 1e-5, "dtype": "float32", "kl_in": "reward", "drop_flat_groups": False,
-                             "kl_estimator": "k1"}
+                             "critic_lr": 1e-5, "temperature": 1.0, "dtype": "float32", "kl_in": "reward",
+                             "drop_flat_groups": False, "kl_estimator": "k1"}
     given = pt.Config(model="m", lr=3e-6, dtype="bfloat16", drop_flat_groups=False)
     assert given.lr == 3e-6 and given.dtype == "bfloat16"  # a flag given wins, and is not listed
     assert not {"lr", "dtype", "drop_flat_groups"} & given.resolved.keys()
