@@ -2408,6 +2408,14 @@ def test_a_script_in_this_directory_loads_a_model_with_the_hubs_kernels_package(
     script = f"import transformers; transformers.AutoModelForCausalLM.from_pretrained({str(tmp_path)!r})"
     run = subprocess.run([sys.executable, "-c", script], cwd=HERE, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
+    import shutil
+    copy = tmp_path / "copy"  # a second copy of the project on sys.path (it once handed the name back: a recursion)
+    copy.mkdir()
+    shutil.copy(os.path.join(HERE, "kernels.py"), copy)
+    shutil.copy(os.path.join(HERE, "ppo_tokens.py"), copy)
+    run = subprocess.run([sys.executable, "-c", script], cwd=HERE, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(copy)})
+    assert run.returncode == 0, run.stderr[-3000:]
 
 # ---------------------------------------------------------------------------------------------------------------
 # CUDA: the GPU-only paths, run when CUDA exists (skipped otherwise). PPO_TOKENS_STRICT=1 (set above, inherited by
