@@ -113,7 +113,7 @@ class Config:
     full_logits: bool = arg(False, "log-probs from full [tokens, vocab] logits, not the fused lm_head path")
     fsdp: bool = arg(False, "torchrun: shard actor/critic weights, grads, Adam states (FSDP2), not replicate (DDP)")
     # the built-in demo
-    demo_warmup_steps: int = arg(400, "supervised warm-up steps before PPO (0 = none); fixed, found once over seeds")
+    demo_warmup_steps: int = arg(500, "supervised warm-up steps before PPO (0 = none); fixed, found once over seeds")
     demo_warmup_lr: float = arg(3e-3, "warm-up learning rate (AdamW, betas (0.9, 0.95), 50-step linear warm-up)")
     demo_hidden: int = arg(128, "demo model width (3 layers, 4 heads; 128 = 0.6M parameters)")
     demo_layers: int = arg(3, "demo model depth")
