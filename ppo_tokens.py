@@ -150,7 +150,7 @@ class Config:
                             temperature=0.7)  # (at 1 the end varied 0.78-0.92 with each machine's rounding)
         # the frozen models in bf16 on CUDA (memory), the KL where the estimator puts it, flat groups out of the loss
         defaults.update(dtype="bfloat16" if cuda else "float32", kl_in=estimator.kl_in, drop_flat_groups=groups)
-        unset = [k for k, v in defaults.items() if getattr(self, k) is not False and getattr(self, k) in UNSET]
+        unset = [k for k in defaults if getattr(self, k) is not False and getattr(self, k) in UNSET]
         self.resolved = {k: defaults[k] for k in unset}
         if not self.kl_estimator:  # k1 in the reward; in the loss k3 (k1's expected gradient there is 0)
             self.resolved["kl_estimator"] = "k1" if self.resolved.get("kl_in", self.kl_in) == "reward" else "k3"
@@ -599,8 +599,9 @@ def off_policy_correction(batch: Rollout, cfg: Config, version=None):
     capped = mask & (weight > cfg.is_cap)
     batch.is_weight = torch.where(capped, cfg.is_cap if cfg.is_mode == "truncate" else 0.0, weight)
     # the sampler / trainer mismatch: |log pi_prox - log pi_behav|, and KL(behav || prox) (k3)
+    mismatch_kl = kl_estimate(batch.behav_logprobs, batch.old_logprobs, "k3")
     means = global_masked_means([(age.float(), mask), (batch.is_weight, in_loss), (capped.float(), in_loss),
-                                 (log_ratio.abs(), in_loss), (torch.expm1(log_ratio) - log_ratio, in_loss)])
+                                 (log_ratio.abs(), in_loss), (mismatch_kl, in_loss)])
     batch.correction = {"staleness_mean": means[0],
                         "staleness_max": int(torch.where(mask, age, 0).max()),
                         "is_weight_mean": means[1],
@@ -671,7 +672,7 @@ def policy_objective(logprobs, mb: Rollout, cfg: Config, share: Share = Share())
     with torch.no_grad():
         log_ratio = logprobs - mb.old_logprobs
         stats = {k: masked_mean(v.to(logprobs.dtype), mb.loss_mask, share.tokens) for k, v in token_stats.items()}
-        stats["approx_kl"] = masked_mean(torch.expm1(log_ratio) - log_ratio, mb.loss_mask, share.tokens)
+        stats["approx_kl"] = masked_mean(kl_estimate(mb.old_logprobs, logprobs, "k3"), mb.loss_mask, share.tokens)
         stats["ratio_max_dev"] = torch.where(mb.loss_mask.bool(), (torch.exp(log_ratio) - 1).abs(), 0.0).max()
     return loss, stats
 
