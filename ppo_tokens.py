@@ -962,6 +962,10 @@ def setup(cfg: Config, ctx: Dist = Dist()):
         critic_from = f"critic from {'the reward model' if same_tokenizer else 'the policy, zero-initialised head'}"
         if cfg.micro_batch_tokens and not unpackable:  # (a critic from the reward model: its own attention)
             unpackable = use_packed_attention(run["critic"].backbone, cfg.bf16)
+    if cfg.micro_batch_tokens and ctx.world > 1:  # every rank packs or none: DDP's micro-batches must pair up
+        anyone = torch.tensor(float(bool(unpackable)), device=device)
+        torch.distributed.all_reduce(anyone, op=torch.distributed.ReduceOp.MAX)
+        unpackable = unpackable or ("another rank's model cannot run packed" if anyone.item() else "")
     if unpackable:  # padded micro-batches of as many rows as the token budget holds at the longest padded length
         fits = cfg.micro_batch_tokens // (longest + cfg.response_length)
         rows = max(r for r in range(1, fits + 1) if cfg.batch_size // cfg.minibatches // ctx.world % r == 0)

@@ -1898,6 +1898,14 @@ def test_torchrun_two_ranks_ddp_and_fsdp2_train_resume_and_stay_identical(tmp_pa
     failed = torchrun([*[a if a != "count_ones:score" else "rank_one_fails:score" for a in args], "--output-dir",
                        str(tmp_path / "fails")], tmp_path, timeout=120, check=False)
     assert failed.returncode != 0 and "reward server unreachable from rank 1" in failed.stdout + failed.stderr
+    (tmp_path / "rank_one_cannot_pack.py").write_text(  # rank 1's packed attention is wrong: both ranks go padded
+        f"import os, sys\nsys.path.insert(0, {HERE!r})\nimport ppo_tokens\nos.environ.pop('PPO_TOKENS_STRICT')\n"
+        "if os.environ['RANK'] == '1':\n    k = ppo_tokens.kernels\n    shift = k._right_padded\n"
+        "    k._right_padded = lambda x, layout: shift(x, layout).roll(1, dims=2)\nppo_tokens.main()\n")
+    out = torchrun([tmp_path / "rank_one_cannot_pack.py", *args[1:], "--steps", "1", "--output-dir",
+                    str(tmp_path / "padded")], tmp_path, timeout=120).stdout
+    assert "--micro-batch-tokens off: another rank's model cannot run packed; padded micro-batches of " in out
+    check_outputs(tmp_path / "padded", 1)
 
 
 def test_batch_sizes_are_checked_against_the_world_size(monkeypatch, capsys):
