@@ -2122,9 +2122,10 @@ def bench_update(cfg: Config, run):  # part (2) of --bench-rollout: packed vs pa
 # the command line and main
 
 
-# flags a resumed run may change; every other flag must match the checkpoint's config (or be left out)
+# flags a resumed run may change (micro-batching: the loss is the same however a minibatch is split, and a packing
+# check that fell back wrote its padded micro-batches into the config); every other flag must match the checkpoint's
 RUN_ONLY = ("resume", "output_dir", "save_every", "keep_checkpoints", "max_bad_steps", "trace", "wandb_project",
-            "sample_every", "fsdp", "compile_sampler")
+            "sample_every", "fsdp", "compile_sampler", "micro_batch_size", "micro_batch_tokens")
 # the flags that take one of a few words, and the numeric flags' lower bounds (0: the flag can turn a feature off)
 CHOICES = {"is_mode": ("truncate", "mask"), "kl_estimator": ("k1", "k2", "k3"), "kl_in": ("reward", "loss"),
            "advantage": ADVANTAGES, "policy_loss": POLICY_LOSSES, "pg_mask": PG_MASKS,  # (the tables, as they are)

@@ -1575,7 +1575,7 @@ def test_packed_micro_batches_that_disagree_fall_back_to_padded_ones_that_train(
     def shifted(x, layout):  # a packed path that attends to the wrong positions
         return right_padded(x, layout).roll(1, dims=2)
     monkeypatch.setattr(kernels, "_right_padded", shifted)
-    args = [*TINY, "--steps", "1", "--micro-batch-size", "0", "--micro-batch-tokens", "40"]
+    args = [*TINY, "--steps", "2", "--save-every", "1", "--micro-batch-size", "0", "--micro-batch-tokens", "40"]
     with pytest.raises(RuntimeError, match="PPO_TOKENS_STRICT=1: --micro-batch-tokens off: LlamaModel cannot run "
                                            "packed \\(hidden states [0-9.]+ from padded ones, over 4x"):
         run_main([*args, "--output-dir", tmp_path / "strict"], tmp_path)
@@ -1585,7 +1585,10 @@ def test_packed_micro_batches_that_disagree_fall_back_to_padded_ones_that_train(
     assert "; padded micro-batches of 2 rows instead (--micro-batch-size 2)" in out
     config = json.load(open(tmp_path / "run/config.json"))
     assert (config["micro_batch_tokens"], config["micro_batch_size"]) == (0, 2)
-    check_outputs(tmp_path / "run", 1)
+    check_outputs(tmp_path / "run", 2)
+    # the same command again with --resume: its micro-batch flags differ from the config's fallback, and are allowed
+    out = run_script([*args[2:], "--resume", pt.checkpoints(tmp_path / "run")[0]], tmp_path)
+    assert "padded micro-batches of 2 rows instead" in out and "after iteration 1/2" in out
 
 
 # ---------------------------------------------------------------------------------------------------------------
