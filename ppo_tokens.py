@@ -1203,6 +1203,10 @@ def format_prompts(tokenizer, texts, use_chat_template: bool, max_prompt_length:
         ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
     else:
         ids = tokenizer(texts)["input_ids"]
+    empty = [i for i, x in enumerate(ids) if not x]
+    if empty:  # (a tokenizer without BOS, e.g. Qwen's or GPT-2's, and no chat template)
+        raise SystemExit(f"{len(empty)} of {len(ids)} prompts are no tokens to the tokenizer (the first is prompt "
+                         f"{empty[0] + 1}, {texts[empty[0]]!r}); remove them or use the chat template")
     cut = [i for i, x in enumerate(ids) if len(x) > max_prompt_length]
     if cut and long_prompts == "refuse":
         raise SystemExit(f"{len(cut)} of {len(ids)} prompts are longer than --max-prompt-length {max_prompt_length} "

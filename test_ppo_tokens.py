@@ -2093,6 +2093,8 @@ def test_bad_input_is_refused_with_one_clear_line(tmp_path, capsys, monkeypatch,
         json.dump(pt.dataclasses.asdict(pt.parse_config(base)), f)
     code, err = exit_of(["--resume", str(tmp_path / "old_run"), "--lr", "0.1"], capsys)
     assert code == 2 and "--lr 0.1 differs from the checkpoint's 0.003; drop the flag or start a new run" in err
+    with pytest.raises(SystemExit, match=r"1 of 2 prompts are no tokens to the tokenizer \(the first is prompt 2, ''"):
+        pt.format_prompts(lambda texts: {"input_ids": [[5] if t else [] for t in texts]}, ["12", ""], False, 30)
     ids = pt.format_prompts(tokenizer, ["1" * 70, "12"], False, 30)
     assert [len(x) for x in ids] == [30, 3]
     assert "1 of 2 prompts are longer than --max-prompt-length 30" in capsys.readouterr().out
