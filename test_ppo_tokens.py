@@ -1992,7 +1992,7 @@ def test_resume_refuses_a_flag_newer_than_the_checkpoint_unless_at_its_default(t
 def test_critic_free_runs_have_their_own_demo_defaults_and_a_flag_given_wins():
     gae, grpo = pt.Config(), pt.Config(advantage="grpo", samples_per_prompt=8)
     assert (gae.steps, gae.batch_size, gae.ppo_epochs, gae.lr, gae.drop_flat_groups) == (300, 256, 2, 5e-4, False)
-    assert gae.temperature == grpo.temperature == 0.7 and gae.demo_warmup_steps == 500
+    assert gae.temperature == grpo.temperature == 0.7 and gae.demo_warmup_steps == 1000
     assert (grpo.steps, grpo.batch_size, grpo.ppo_epochs, grpo.lr, grpo.drop_flat_groups) == (800, 512, 1, 3e-4, True)
     given = pt.parse_config(["--advantage", "rloo", "--samples-per-prompt", "4", "--steps", "7", "--batch-size", "16",
                              "--ppo-epochs", "3", "--lr", "1e-3", "--no-drop-flat-groups"])
