@@ -1099,13 +1099,16 @@ def test_a_tokenizer_without_pad_and_a_reward_model_of_the_same_vocabulary(tmp_p
     assert all(math.isfinite(r["reward_mean"]) for r in records)
 
 
-def bench_workload(directory, seed=0):
+def bench_workload(directory, seed=0, shape="small"):
     """The CPU speed workload of the README (issue 23): policy/ (a random Llama, hidden 256 x 4 layers, vocab 512),
     rm/ (a LlamaForSequenceClassification of the same vocabulary, so the critic starts from it) and prompts.jsonl
-    (prompts of 32 tokens). Usage: python -c "from test_ppo_tokens import bench_workload; bench_workload('wl')"."""
+    (prompts of 32 tokens). Usage: python -c "from test_ppo_tokens import bench_workload; bench_workload('wl')".
+    shape="0.5B": the GPU workload, Qwen2.5-0.5B's shape (hidden 896 x 24 layers, 14 / 2 heads, vocab 151,936, tied
+    embeddings, biased q/k/v) as a Llama (AutoTokenizer would give a qwen2 config Qwen2Tokenizer), saved in bf16."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification, PreTrainedTokenizerFast
-    words = ["<pad>", "<bos>", "<eos>", "<unk>", *(f"w{i}" for i in range(508))]  # 512 tokens
+    big = shape == "0.5B"
+    words = ["<pad>", "<bos>", "<eos>", "<unk>", *(f"w{i}" for i in range((151936 if big else 512) - 4))]
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
@@ -1113,11 +1116,15 @@ def bench_workload(directory, seed=0):
     config = dict(vocab_size=len(words), hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=4, intermediate_size=688, max_position_embeddings=128, tie_word_embeddings=False,
                   bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if big:
+        config.update(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                      intermediate_size=4864, max_position_embeddings=4096, tie_word_embeddings=True,
+                      attention_bias=True, rope_theta=1e6)
     torch.manual_seed(seed)
     built = {"policy": LlamaForCausalLM(LlamaConfig(**config)),
              "rm": LlamaForSequenceClassification(LlamaConfig(**config, num_labels=1))}
     for name, model in built.items():
-        model.save_pretrained(os.path.join(directory, name))
+        model.to(torch.bfloat16 if big else torch.float32).save_pretrained(os.path.join(directory, name))
         tok.save_pretrained(os.path.join(directory, name))
     g = torch.Generator().manual_seed(seed)
     with open(os.path.join(directory, "prompts.jsonl"), "w") as f:
