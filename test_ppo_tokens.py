@@ -1023,13 +1023,15 @@ TINY = ["--batch-size", "16", "--minibatches", "2", "--micro-batch-size", "4", "
 
 @slow
 def test_demo_learns_a_little_in_a_few_iterations(tmp_path):
-    """A shortened default demo (the full one is in the README): after the real warm-up, the reward mean rises."""
+    """A shortened default demo (the full one is in the README): after the real warm-up, the reward mean rises. It
+    starts near 0.86 now (1,000 warm-up steps) and rose 0.045 here; a mean of 6 batches of 256 has a noise of ~0.008,
+    so the test asks for 0.01 (~3 sigma of the difference below the rise), not the 0.03 of a lower start."""
     out = run_script(["--steps", "24", "--eval-every", "12", "--eval-size", "500", "--sample-every", "0", "--device",
                       "cpu", "--output-dir", str(tmp_path / "run"), "--demo-cache", str(tmp_path / "cache")], tmp_path)
     records = [r for r in read_metrics(tmp_path / "run") if r["step"] > 0]
     first = statistics.fmean(r["reward_mean"] for r in records[:6])
     last = statistics.fmean(r["reward_mean"] for r in records[-6:])
-    assert last > first + 0.03, (first, last, out[-2000:])
+    assert last > first + 0.01, (first, last, out[-2000:])
     assert "warm-up:" in out and "held-out sampled accuracy" in out
 
 
