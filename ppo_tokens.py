@@ -2163,6 +2163,8 @@ def parse_config(argv=None) -> Config:
             checkpoint = found[-1]
             with open(os.path.join(checkpoint, "config.json"), encoding="utf-8") as f:
                 saved = {k: v for k, v in json.load(f).items() if k in args}
+            if any(str(a).startswith(("--micro-batch-size", "--micro-batch-tokens")) for a in argv or sys.argv[1:]):
+                del saved["micro_batch_size"], saved["micro_batch_tokens"]  # one of the two: the other at its default
             parser.set_defaults(**saved)
             args = vars(parser.parse_args(argv))
             # compared resolved; a flag newer than the checkpoint counts at its default (what that run did)

@@ -1595,9 +1595,10 @@ def test_packed_micro_batches_that_disagree_fall_back_to_padded_ones_that_train(
     config = json.load(open(tmp_path / "run/config.json"))
     assert (config["micro_batch_tokens"], config["micro_batch_size"]) == (0, 2)
     check_outputs(tmp_path / "run", 2)
-    # the same command again with --resume: its micro-batch flags differ from the config's fallback, and are allowed
-    out = run_script([*args, "--resume", pt.checkpoints(tmp_path / "run")[0]], tmp_path)
-    assert "padded micro-batches of 2 rows instead" in out and "after iteration 1/2" in out
+    # a resume may name the micro-batch flags again (they differ from the config's fallback); one of them alone too
+    for again in (args, ["--micro-batch-tokens", "40"]):
+        out = run_script([*again, "--resume", pt.checkpoints(tmp_path / "run")[0]], tmp_path)
+        assert "padded micro-batches of 2 rows instead" in out and "after iteration 1/2" in out
 
 
 # ---------------------------------------------------------------------------------------------------------------
