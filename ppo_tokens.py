@@ -1643,8 +1643,9 @@ def start_training(cfg: Config, run, output_dir: str, threaded, ctx: Dist) -> Tr
         if ctx.rank == 0:
             t.history = restore_metrics(output_dir, t.start)
             for newer in [c for c in checkpoints(output_dir) if c > cfg.resume]:  # step-N names sort by step
-                # set aside, not deleted: this run writes its own
-                aside = f".abandoned-{os.path.basename(newer)}-{time.strftime('%Y%m%d-%H%M%S')}"
+                # set aside, not deleted: this run writes its own (the nanoseconds: two resumes within a second)
+                stamp = f"{time.strftime('%Y%m%d-%H%M%S')}.{time.time_ns() % 10**9}"
+                aside = f".abandoned-{os.path.basename(newer)}-{stamp}"
                 os.replace(newer, os.path.join(os.path.dirname(newer), aside))
                 print(f"resume: set aside {newer}, newer than the checkpoint resumed from (now .abandoned-*)")
         print(f"resumed from {cfg.resume} after iteration {t.start}/{cfg.steps}")
