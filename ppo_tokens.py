@@ -962,10 +962,8 @@ def setup(cfg: Config, ctx: Dist = Dist()):
         critic_from = f"critic from {'the reward model' if same_tokenizer else 'the policy, zero-initialised head'}"
         if cfg.micro_batch_tokens and not unpackable:  # (a critic from the reward model: its own attention)
             unpackable = use_packed_attention(run["critic"].backbone, cfg.bf16)
-    if cfg.micro_batch_tokens and ctx.world > 1:  # every rank packs or none: DDP's micro-batches must pair up
-        anyone = torch.tensor(float(bool(unpackable)), device=device)
-        torch.distributed.all_reduce(anyone, op=torch.distributed.ReduceOp.MAX)
-        unpackable = unpackable or ("another rank's model cannot run packed" if anyone.item() else "")
+    if cfg.micro_batch_tokens and any_rank(bool(unpackable), device):  # all pack or none: DDP pairs micro-batches
+        unpackable = unpackable or "another rank's model cannot run packed"
     if unpackable:  # padded micro-batches of as many rows as the token budget holds at the longest padded length
         fits = cfg.micro_batch_tokens // (longest + cfg.response_length)
         rows = max(r for r in range(1, fits + 1) if cfg.batch_size // cfg.minibatches // ctx.world % r == 0)
@@ -1206,7 +1204,7 @@ def format_prompts(tokenizer, texts, use_chat_template: bool, max_prompt_length:
     empty = [i for i, x in enumerate(ids) if not x]
     if empty:  # (a tokenizer without BOS, e.g. Qwen's or GPT-2's, and no chat template)
         raise SystemExit(f"{len(empty)} of {len(ids)} prompts are no tokens to the tokenizer (the first is prompt "
-                         f"{empty[0] + 1}, {texts[empty[0]]!r}); remove them or use the chat template")
+                         f"{empty[0] + 1}, {texts[empty[0]]!r}); remove them, or use a chat template or a BOS")
     cut = [i for i, x in enumerate(ids) if len(x) > max_prompt_length]
     if cut and long_prompts == "refuse":
         raise SystemExit(f"{len(cut)} of {len(ids)} prompts are longer than --max-prompt-length {max_prompt_length} "
