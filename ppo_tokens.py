@@ -1303,8 +1303,7 @@ def evaluate(policy, tokenizer, prompt_ids, prompt_texts, cfg: Config, seed: int
 
 def demo_warmup(policy, tokenizer, train_pairs, cfg: Config):
     """Supervised warm-up, so that PPO starts from a policy that is sometimes right. A fixed number of steps: a stop
-    at an accuracy threshold moved with the rounding of each machine (and so did PPO's start and end). Rounding alone
-    moves the loss's drop, too: after 300-500 steps on CPUs, after 500 on an H200; hence 1,000. Cached."""
+    at an accuracy threshold moved with rounding, as does the loss's drop (CPU: 300-500 steps, H200: 500+). Cached."""
     key = json.dumps([policy.config.to_json_string(), sorted(tokenizer.get_vocab().items()), cfg.seed,
                       cfg.demo_warmup_lr, cfg.demo_warmup_steps, "v4"])
     name = f"demo-warmup-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"

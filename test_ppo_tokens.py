@@ -21,6 +21,7 @@ import io
 import json
 import math
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -1029,11 +1030,10 @@ def test_demo_learns_a_little_in_a_few_iterations(tmp_path):
     learns nothing passes ~2% of the time, and then must raise the accuracy too)."""
     out = run_script(["--steps", "24", "--eval-every", "12", "--eval-size", "500", "--sample-every", "0", "--device",
                       "cpu", "--output-dir", str(tmp_path / "run"), "--demo-cache", str(tmp_path / "cache")], tmp_path)
-    records = [r for r in read_metrics(tmp_path / "run") if r["step"] > 0]
+    before, *records = read_metrics(tmp_path / "run")  # step 0: the held-out accuracy before PPO
     first = statistics.fmean(r["reward_mean"] for r in records[:8])
     last = statistics.fmean(r["reward_mean"] for r in records[-8:])
-    assert last > first + 0.02 and records[-1]["eval_accuracy"] > read_metrics(tmp_path / "run")[0]["eval_accuracy"], \
-        (first, last, out[-2000:])
+    assert last > first + 0.02 and records[-1]["eval_accuracy"] > before["eval_accuracy"], (first, last, out[-2000:])
     assert "warm-up:" in out and "held-out sampled accuracy" in out
 
 
@@ -1159,7 +1159,6 @@ def test_speed_workload_runs_with_a_critic_from_its_reward_model(tmp_path):
 
 def test_the_sampler_compiles_by_default_only_where_the_compile_pays_back(monkeypatch):
     """A CPU run of >= 500k sampled tokens with a C++ compiler; never on CUDA (graphs) or without the static cache."""
-    import shutil
     short = dict(steps=20, batch_size=16, response_length=64, device="cpu")  # 20k tokens
     long = {**short, "steps": 500}  # 512k tokens
     assert not pt.Config(**short).compile_sampler
@@ -2016,7 +2015,6 @@ def test_critic_free_runs_have_their_own_demo_defaults_and_a_flag_given_wins():
 def test_a_real_model_gets_real_model_defaults_and_the_log_lists_every_resolved_value():
     """The demo's learning rates (5e-4 / 1e-3) would wreck a real model within a few updates; --model's defaults are
     the README's, and Config.resolved (which main prints) names every value a default resolved to."""
-    import shutil
     real, grouped = pt.Config(model="m", device="cpu"), pt.Config(model="m", advantage="grpo", samples_per_prompt=8)
     assert (real.lr, real.critic_lr, real.steps, real.batch_size, real.response_length, real.ppo_epochs) == \
         (1e-6, 1e-5, 1000, 64, 256, 1)
@@ -2434,7 +2432,6 @@ def test_a_script_in_this_directory_loads_a_model_with_the_hubs_kernels_package(
     script = f"import transformers; transformers.AutoModelForCausalLM.from_pretrained({str(tmp_path)!r})"
     run = subprocess.run([sys.executable, "-c", script], cwd=HERE, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
-    import shutil
     copy = tmp_path / "copy"  # a second copy of the project on sys.path (it once handed the name back: a recursion)
     copy.mkdir()
     shutil.copy(os.path.join(HERE, "kernels.py"), copy)
