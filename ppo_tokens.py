@@ -56,12 +56,17 @@ class Config:
     reward_model: str = arg("", "AutoModelForSequenceClassification (num_labels=1) directory: score = its output")
     reward: str = arg("", "'module:function', (prompts, completions, **facts) -> list[float]; facts: README")
     prompts: str = arg("", "JSONL file, one object per line with a 'prompt' field; empty = the demo's prompts")
+    env: str = arg("", "multi-turn: 'module:factory', factory() -> an environment (reset, step: README); or 'demo' / "
+                       "'demo-control' (the demo, a second try after a '<' / '>' hint, or after a bare '=')")
+    max_turns: int = arg(2, "multi-turn (--env): the policy's turns per episode at most")
+    env_latency: float = arg(0.0, "multi-turn: seconds each environment step waits first (a tool's latency, to bench)")
     chat_template: bool = arg(True, "wrap each prompt in the tokenizer's chat template when it has one")
     max_prompt_length: int = arg(512, "longest prompt in tokens; longer ones are cut or refused, see --long-prompts")
     # rollout
     steps: int = arg(0, "PPO iterations (a batch and its update each); 0 = demo: 300, 800 critic-free; --model: 1000")
     batch_size: int = arg(0, "completions per iteration; 0 = demo: 256, 64 prompts x group; --model: 64, 16 x group")
-    response_length: int = arg(0, "max new tokens per completion; 0 = demo: 4; --model: 256")
+    response_length: int = arg(0, "max new tokens per completion (--env: all turns and observations); 0 = demo: 4 "
+                                  "(--env: 4 a turn, 8 an observation); --model: 256")
     temperature: float = arg(0.0, "sampling temperature, scoring divides the logits by it; 0 = demo: 0.7, --model: 1")
     top_k: int = arg(0, "sample from the k most likely tokens only (0 = off); log-probs renormalise over that set")
     top_p: float = arg(1.0, "nucleus sampling threshold (1 = off); keeps at most --top-k ids, 64 when --top-k is 0")
@@ -113,7 +118,8 @@ class Config:
     full_logits: bool = arg(False, "log-probs from full [tokens, vocab] logits, not the fused lm_head path")
     fsdp: bool = arg(False, "torchrun: shard actor/critic weights, grads, Adam states (FSDP2), not replicate (DDP)")
     # the built-in demo
-    demo_warmup_steps: int = arg(1000, "supervised warm-up steps before PPO (0 = none); fixed, past the loss's drop")
+    demo_warmup_steps: int = arg(None, "supervised warm-up steps before PPO (0 = none); fixed: past the loss's drop, "
+                                       "1000; --env demo: 300, before it")
     demo_warmup_lr: float = arg(3e-3, "warm-up learning rate (AdamW, betas (0.9, 0.95), 50-step linear warm-up)")
     demo_hidden: int = arg(128, "demo model width (3 layers, 4 heads; 128 = 0.6M parameters)")
     demo_layers: int = arg(3, "demo model depth")
@@ -145,7 +151,8 @@ class Config:
             defaults = dict(steps=1000, batch_size=16 * n if groups else 64, response_length=256, ppo_epochs=1,
                             lr=1e-6, critic_lr=1e-5, temperature=1.0)
         else:  # the demo; critic-free: one pass (GRPO's mu = 1), 64 prompts x a group
-            defaults = dict(steps=300 if critic else 800, batch_size=64 * n if groups else 256, response_length=4,
+            defaults = dict(steps=300 if critic else 800, batch_size=64 * n if groups else 256,
+                            response_length=12 * self.max_turns - 8 if self.env else 4,
                             ppo_epochs=2 if critic else 1, lr=5e-4 if critic else 3e-4, critic_lr=1e-3,
                             temperature=0.7)  # (at 1 the end varied 0.78-0.92 with each machine's rounding)
         # the frozen models in bf16 on CUDA (memory), the KL where the estimator puts it, flat groups out of the loss
@@ -154,11 +161,16 @@ class Config:
         self.resolved = {k: defaults[k] for k in unset}
         if not self.kl_estimator:  # k1 in the reward; in the loss k3 (k1's expected gradient there is 0)
             self.resolved["kl_estimator"] = "k1" if self.resolved.get("kl_in", self.kl_in) == "reward" else "k3"
+        if self.demo_warmup_steps is None:  # (0 means none; the demo's only)
+            self.demo_warmup_steps = 300 if self.env else 1000
+            if not self.model and not self.prompts:
+                self.resolved["demo_warmup_steps"] = self.demo_warmup_steps
         for name, value in self.resolved.items():
             setattr(self, name, value)
         if self.compile_sampler is None:  # on a CPU with a C++ compiler, where its ~90 s pay back: ~0.16 ms a token
             compiler = shutil.which(os.environ.get("CXX", "g++")) is not None
-            long_run = self.steps * self.batch_size * self.response_length >= 500_000  # sampled tokens
+            # (sampled tokens; not measured for --env, whose turns re-prefill and whose budget counts observations)
+            long_run = self.steps * self.batch_size * self.response_length >= 500_000 and not self.env
             self.resolved["compile_sampler"] = not cuda and self.static_cache and long_run and compiler
             self.compile_sampler = self.resolved["compile_sampler"]
 
@@ -187,6 +199,10 @@ class Rollout:
     ended: torch.Tensor  # (B,) bool: the completion emitted a stop token (EOS) within --response-length
     kept_ids: torch.Tensor = None  # (B, T, K) ids top-k/top-p kept at each step, -1 padded; None without truncation
     behav_entropy: torch.Tensor = None  # (B, T) the entropy of the sampler's distribution at each step
+    # multi-turn (--env): the response columns hold every turn and, between them, the environment's observations,
+    # which the models see but never sample, score or train on: response_mask covers the policy's tokens only
+    context_mask: torch.Tensor = None  # (B, T) 1 on every real token, the observations' too; None: response_mask
+    turn_rewards: torch.Tensor = None  # (B, T) each turn's reward on its last policy token; None: one turn
     prompts: list = None  # B prompt strings as the reward sees them
     completions: list = None  # B completion strings, decoded up to (not including) EOS
     # (B, T) under the trainer's policy before the update: PPO's "old" policy, decoupled PPO's "proximal" one
@@ -355,7 +371,8 @@ class Actor(nn.Module):
 
 
 def full_sequence(batch: Rollout):  # prompt + response as one left-padded sequence, its mask and position ids
-    attention_mask = torch.cat([batch.prompt_mask, batch.response_mask], 1)  # (B, P+T)
+    seen = batch.response_mask if batch.context_mask is None else batch.context_mask  # observations: seen, not trained
+    attention_mask = torch.cat([batch.prompt_mask, seen], 1)  # (B, P+T)
     # id 0 on the pads: our pad id lies outside the embedding of a reward model (and its critic) with our vocabulary
     input_ids = torch.cat([batch.prompt_ids, batch.response], 1).masked_fill(attention_mask == 0, 0)  # (B, P+T)
     return input_ids, attention_mask, positions(attention_mask)
@@ -441,19 +458,25 @@ def kl_estimate(logprobs, ref_logprobs, estimator: str):
     return torch.expm1(log_ratio) - log_ratio  # k3 (check_config allows only these three)
 
 
-def per_token_rewards(scores, kl, response_mask, kl_coef):
-    """r_t = -kl_coef * kl_t on every real token, plus the sequence score on the last real token (index mask.sum() - 1:
-    the mask covers exactly the sampled tokens up to and including EOS, so never a pad)."""
+def per_token_rewards(scores, kl, response_mask, kl_coef, turn_rewards=None):
+    """r_t = -kl_coef * kl_t on every real token, plus the sequence score on the last real token (the mask covers
+    exactly the sampled tokens up to and including EOS, so never a pad). Multi-turn: each turn's reward on its own
+    last token (turn_rewards), and the score's change by the missing-EOS penalty or whitening on the last one."""
     rewards = torch.where(response_mask.bool(), -kl_coef * kl, 0.0)  # (B, T)
-    last = response_mask.sum(-1, keepdim=True) - 1  # (B, 1); every response has >= 1 real token
+    last = (response_mask * torch.arange(1, response_mask.shape[1] + 1, device=kl.device)).argmax(-1, keepdim=True)
+    if turn_rewards is not None:
+        rewards, scores = rewards + turn_rewards, scores - turn_rewards.sum(-1)
     return rewards.scatter_add(1, last, scores[:, None].to(rewards.dtype))
 
 
 def gae(rewards, values, response_mask, gamma: float, lam: float):
     """Generalised advantage estimation (Schulman et al., 2016) over the real tokens of each response:
         delta_t = r_t + gamma * V_{t+1} - V_t,   A_t = delta_t + gamma * lam * A_{t+1},   returns_t = A_t + V_t,
-    with V and A zero after the last real token (the episode ends there). Returns (advantages, returns), (B, T)."""
-    mask = response_mask.bool()
+    with V and A zero after the last real token (the episode ends there). Returns (advantages, returns), (B, T).
+    Multi-turn (--env): t + 1 is the policy's next token, over an observation too. An observation is state, not a
+    step: the value after a turn's last token is that before the next turn's first one, whose state has seen it."""
+    order = torch.sort((response_mask == 0).to(torch.uint8), dim=1, stable=True).indices  # the policy's tokens first
+    rewards, values, mask = (x.gather(1, order) for x in (rewards, values, response_mask.bool()))  # (one turn: as is)
     T = rewards.shape[1]
     rewards = torch.where(mask, rewards, 0.0)
     values = torch.cat([torch.where(mask, values, 0.0), torch.zeros_like(values[:, :1])], 1)  # (B, T+1): V_T = 0
@@ -461,7 +484,8 @@ def gae(rewards, values, response_mask, gamma: float, lam: float):
     for t in reversed(range(T)):
         delta = rewards[:, t] + gamma * values[:, t + 1] - values[:, t]
         advantages[:, t] = last_gae = torch.where(mask[:, t], delta + gamma * lam * last_gae, 0.0)
-    return advantages, torch.where(mask, advantages + values[:, :T], 0.0)
+    returns = torch.where(mask, advantages + values[:, :T], 0.0)
+    return tuple(torch.zeros_like(x).scatter(1, order, x) for x in (advantages, returns))  # back to their columns
 
 
 def flat_groups(scores, n: int):  # (B,) bool: the row's group of n completions all got the same score
@@ -574,7 +598,7 @@ def score_trainer(batch: Rollout, policy, critic, cfg: Config, row_order=None, v
     kl = kl_estimate(batch.old_logprobs, batch.ref_logprobs, cfg.kl_estimator)
     kl = torch.where(batch.response_mask.bool(), kl, 0.0)  # (B, T)
     reward_kl_coef = cfg.kl_coef if cfg.kl_in == "reward" else 0.0  # (--kl-in loss: micro_step adds it)
-    batch.rewards = per_token_rewards(batch.scores, kl, batch.response_mask, reward_kl_coef)
+    batch.rewards = per_token_rewards(batch.scores, kl, batch.response_mask, reward_kl_coef, batch.turn_rewards)
     batch.advantages, batch.returns = ADVANTAGES[cfg.advantage].fn(batch, cfg)
     batch.pg_mask = PG_MASKS[cfg.pg_mask](batch, cfg)
     off_policy_correction(batch, cfg, version)
@@ -837,9 +861,11 @@ def train(cfg: Config, run, output_dir: str, threaded=None, ctx: Dist = Dist()):
     device = run.policy.device
     with StopSignal() as stop, contextlib.closing(t):
         if run.eval_ids is not None and not cfg.resume and ctx.rank == 0:  # the demo's accuracy before PPO
-            t.first_accuracy = evaluate(t.evaluator, run.tokenizer, run.eval_ids, run.eval_texts, cfg, cfg.seed + 2)
-            t.logger.log({"step": 0, "eval_accuracy": t.first_accuracy, "time_s": 0.0})
-            print(f"held-out sampled accuracy before PPO: {t.first_accuracy:.3f}")
+            scores = evaluate(t.evaluator, run.tokenizer, run.eval_ids, run.eval_texts, cfg, cfg.seed + 2, run.env)
+            t.first_accuracy = scores["eval_accuracy"]
+            t.logger.log({"step": 0, **scores, "time_s": 0.0})
+            print(f"held-out sampled accuracy before PPO: {t.first_accuracy:.3f}" + "".join(
+                f", {k[5:]} {v:.3f}" for k, v in scores.items() if k != "eval_accuracy"))
         t.producer = Producer(t)
         t.window_start = time.time()  # an iteration's window ends at the end of the next
         t.run_start = t.window_start - t.elapsed
@@ -914,10 +940,10 @@ def setup(cfg: Config, ctx: Dist = Dist()):
     dtype = getattr(torch, cfg.dtype)
     torch.manual_seed(cfg.seed)
     prompt_texts = load_prompts(cfg.prompts) if cfg.prompts else None
-    rule = load_reward_function(cfg.reward) if cfg.reward else addition_reward
+    rule = load_function(cfg.reward) if cfg.reward else addition_reward
     tokenizer, policy, stop_ids, vocab = load_policy(cfg, device)
     run = dict(tokenizer=tokenizer, policy=policy, eval_ids=None, eval_texts=None, prompt_texts=prompt_texts,
-               stop_ids=stop_ids, vocab=vocab)
+               stop_ids=stop_ids, vocab=vocab, env=load_env(cfg.env) if cfg.env else None)
     if not cfg.prompts:
         # all (a, b) in 0..99 x 0..99, split into training and held-out pairs once: the same split for every --seed
         pairs = [divmod(i, 100) for i in torch.randperm(10_000, generator=torch.Generator().manual_seed(1234)).tolist()]
@@ -939,6 +965,8 @@ def setup(cfg: Config, ctx: Dist = Dist()):
         rows = cfg.micro_batch_size or cfg.batch_size // cfg.minibatches // ctx.world
         run["reward_fn"] = functools.partial(reward_model_scores, reward_model, rm_tokenizer, tokenizer,
                                              use_chat_template=cfg.chat_template, micro_batch_size=rows)
+    elif cfg.env:  # the environment's rewards: the episode's return
+        run["reward_fn"] = lambda batch: batch.turn_rewards.sum(-1)
     else:
         run["reward_fn"] = functools.partial(rule_scores, rule)
     if not cfg.prompts:
@@ -985,7 +1013,7 @@ def load_policy(cfg: Config, device):  # -> (tokenizer, policy in fp32: bf16 Ada
             raise SystemExit(f"--model {cfg.model}: cannot load a causal LM and its tokenizer "
                              f"({str(e).splitlines()[0]})")
     else:
-        tokenizer = build_demo_tokenizer()
+        tokenizer = build_demo_tokenizer(hints=cfg.env in ENVIRONMENTS)
         policy = build_demo_policy(tokenizer, cfg.seed, cfg.demo_hidden, cfg.demo_layers)
     if policy.config.model_type in ("rwkv", "xlstm", "recurrent_gemma", "mamba", "falcon_mamba"):
         raise SystemExit(f"--model {cfg.model}: {policy.config.model_type} is not supported: its recurrent state "
@@ -1003,10 +1031,10 @@ def load_policy(cfg: Config, device):  # -> (tokenizer, policy in fp32: bf16 Ada
     return tokenizer, policy, stop_ids, vocab
 
 
-def build_demo_tokenizer():  # the addition demo's: one token per character, a PreTrainedTokenizerFast like any other
+def build_demo_tokenizer(hints=False):  # the addition demo's: one token per character (hints: the env's < and >)
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
-    vocab = {t: i for i, t in enumerate(["<pad>", "<bos>", "<eos>", "<unk>", *"0123456789+="])}
+    vocab = {t: i for i, t in enumerate(["<pad>", "<bos>", "<eos>", "<unk>", *"0123456789+=", *"<>" * hints])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")  # one token per character
     tok.decoder = decoders.Fuse()  # join characters back without spaces
@@ -1182,15 +1210,26 @@ def load_prompts(path: str):
     return prompts
 
 
-def load_reward_function(spec: str):  # the module is imported from the current directory or sys.path
+def load_function(spec: str, flag="--reward"):  # 'module:name', the module from the current directory or sys.path
     module_name, _, fn_name = spec.partition(":")
     if not module_name or not fn_name:
-        raise SystemExit(f"--reward {spec!r}: expected 'module:function', e.g. my_rewards:score")
+        raise SystemExit(f"{flag} {spec!r}: expected 'module:function', e.g. my_module:{flag[2:]}")
     sys.path.insert(0, os.getcwd())
     try:
         return getattr(importlib.import_module(module_name), fn_name)
-    except (ImportError, AttributeError) as e:
-        raise SystemExit(f"--reward {spec!r}: cannot load it ({e})")
+    except Exception as e:  # (an import runs the module: any error)
+        raise SystemExit(f"{flag} {spec!r}: cannot load it ({type(e).__name__}: {e})")
+
+
+def load_env(spec: str):  # -> the factory, checked once: it makes an environment with reset() and step()
+    factory = ENVIRONMENTS.get(spec) or load_function(spec, "--env")
+    try:
+        env = factory()
+    except Exception as e:
+        raise SystemExit(f"--env {spec!r}: its factory raised {type(e).__name__}: {e}")
+    if not all(callable(getattr(env, name, None)) for name in ("reset", "step")):
+        raise SystemExit(f"--env {spec!r}: the factory made a {type(env).__name__}, which lacks reset() or step()")
+    return factory
 
 
 def format_prompts(tokenizer, texts, use_chat_template: bool, max_prompt_length: int, long_prompts="truncate"):
@@ -1260,17 +1299,21 @@ def reward_model_scores(reward_model, rm_tokenizer, policy_tokenizer, batch, use
     return torch.cat(scores)
 
 
+def with_facts(fn, *args, **facts):  # fn(*args, **the facts it names), all of them if it takes **kwargs
+    parameters = inspect.signature(fn).parameters
+    if not any(p.kind == p.VAR_KEYWORD for p in parameters.values()):
+        facts = {k: v for k, v in facts.items() if k in parameters}
+    return fn(*args, **facts)
+
+
 def rule_scores(rule, batch: Rollout):
     """(B,) a reward function's scores, checked. It gets prompts and completions and, where it names them (or takes
     **kwargs), completion_ids (the stop token excluded) and ended (it emitted a stop token)."""
     lengths = (batch.response_mask.sum(-1) - batch.ended.long()).tolist()  # real tokens minus the stop token
-    facts = {"completion_ids": [r[:n] for r, n in zip(batch.response.tolist(), lengths)],
-             "ended": batch.ended.tolist()}
-    parameters = inspect.signature(rule).parameters
-    if not any(p.kind == p.VAR_KEYWORD for p in parameters.values()):
-        facts = {k: v for k, v in facts.items() if k in parameters}
+    completion_ids = [r[:n] for r, n in zip(batch.response.tolist(), lengths)]
     try:
-        scores = rule(batch.prompts, batch.completions, **facts)
+        scores = with_facts(rule, batch.prompts, batch.completions, completion_ids=completion_ids,
+                            ended=batch.ended.tolist())
     except Exception as e:
         raise SystemExit(f"the reward function raised {type(e).__name__}: {e}")
     try:
@@ -1283,22 +1326,169 @@ def rule_scores(rule, batch: Rollout):
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# environments (--env): multi-turn rollouts through Gymnasium's API over text
+
+
+class AdditionRetry:
+    """The multi-turn demo's environment: a wrong answer to a+b= gets a hint, '<' (too low) or '>' (too high), then
+    the question again, and the policy tries again (--max-turns); hint=False, the control: '=' instead of the hint.
+    Reward 1 for the sum then EOS, which ends the episode."""
+
+    def __init__(self, hint=True):
+        self.hint = hint
+
+    def reset(self, prompt: str, seed: int = None):  # -> (observation: the first user message, info)
+        a, b = prompt.rstrip("=").split("+")
+        self.question, self.answer = prompt, int(a) + int(b)
+        return prompt, {}
+
+    def step(self, action: str, ended: bool = True):  # -> (observation, reward, terminated, truncated, info)
+        if ended and action.strip() == str(self.answer):
+            return "", 1.0, True, False, {}
+        guess = int(action) if action.strip().isdigit() else -1
+        hint = ("<" if guess < self.answer else ">") if self.hint else "="
+        return hint + self.question, 0.0, False, False, {}
+
+
+ENVIRONMENTS = {"demo": AdditionRetry, "demo-control": functools.partial(AdditionRetry, hint=False)}
+
+
+def env_step(env, action: str, latency: float, facts: dict):
+    """One row's step, in the pool: (observation, reward, done, its role, error or None). A step that raises or
+    returns no text ends its row (truncated) with the error, which make_batch counts."""
+    time.sleep(latency)
+    try:
+        observation, reward, terminated, truncated, info = with_facts(env.step, action, **facts)
+        if not isinstance(observation, str):
+            raise TypeError(f"step() returned a {type(observation).__name__} observation, not a str")
+        return observation, float(reward), bool(terminated or truncated), (info or {}).get("role", "user"), None
+    except Exception as e:
+        return "", 0.0, True, "", f"{type(e).__name__}: {str(e)[:200]}"
+
+
+def observation_ids(tokenizer, text: str, role: str, chat: bool, stop_id: int) -> list:
+    """An observation's tokens after a turn that ended with stop_id: the text's own, or (chat) what the template
+    writes after that stop for a `role` message (a tool's, a user's) and the assistant header that follows it."""
+    if not chat:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    turn = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "!"}]
+    before = tokenizer.apply_chat_template(turn, tokenize=False)
+    after = tokenizer.apply_chat_template([*turn, {"role": role, "content": text}], tokenize=False,
+                                          add_generation_prompt=True)
+    end, stop = before.rfind("!") + 1, tokenizer.decode([stop_id])
+    if not after.startswith(before) or not before.startswith(stop, end):
+        raise SystemExit(f"--env: the chat template does not end an assistant turn with {stop!r} or rewrites earlier "
+                         "turns; observations cannot be appended to it (use --no-chat-template)")
+    return tokenizer(before[end + len(stop):] + after[len(before):], add_special_tokens=False)["input_ids"]
+
+
+@torch.no_grad()
+def run_episodes(decoder, envs, texts, seeds, tokenizer, cfg: Config, pool=None, **sampling) -> Rollout:
+    """Multi-turn rollouts: envs[i] (Gymnasium's reset / step over text) plays row i. Each turn re-prefills the
+    conversation so far through generate(), so both decoders serve it as they are; a turn ends at a stop id; the
+    environments step concurrently in `pool` (a tool call mostly waits); the observation's tokens are appended as
+    context (response_mask 0). A row ends when its environment terminates or truncates, at --max-turns, after a turn
+    without a stop id, or when its --response-length budget (turns and observations) runs out. sampling: generate's
+    keyword arguments (sampling_args, generator, ...). -> a Rollout with context_mask and turn_rewards."""
+    B, T, pad, mapper = len(envs), cfg.response_length, sampling["pad_id"], pool.map if pool else map
+    first = list(mapper(lambda e, p, s: e.reset(p, seed=s)[0], envs, texts, seeds))
+    prompts = format_prompts(tokenizer, first, cfg.chat_template, cfg.max_prompt_length, cfg.long_prompts)
+    chat = cfg.chat_template and getattr(tokenizer, "chat_template", None) is not None
+    pieces = [[] for _ in range(B)]  # per row: (ids, policy mask, log-probs, entropies, versions, kept ids) chunks
+    used, rewards, ended, errors = [0] * B, [[] for _ in range(B)], [False] * B, [None] * B
+    active, device = list(range(B)), sampling["generator"].device
+    for turn in range(cfg.max_turns):
+        if turn and sampling.get("between_steps"):  # the version the next turn's tokens (and prefill) come from
+            sampling["policy_version"] = sampling["between_steps"]()
+        budget = [T - used[r] for r in active]
+        ids, mask = left_pad([prompts[r] + [i for p in pieces[r] for i in p[0].tolist()] for r in active], pad, device)
+        model = decoder
+        if isinstance(decoder, StaticDecoder):  # its batch size: finished rows' places go to copies of an active one
+            ids, mask = (torch.cat([x, x[:1].expand(decoder.mask.shape[0] - len(active), -1)]) for x in (ids, mask))
+            model = decoder if ids.shape[1] + max(budget) <= decoder.max_len else PlainDecoder(decoder.model)
+        out = generate(model, ids, mask, **{**sampling, "max_new_tokens": max(budget)})
+        actions, facts = [], []
+        for i, r in enumerate(active):
+            n = int(out.response_mask[i].sum())
+            ended[r] = bool(out.ended[i]) and n <= budget[i]
+            n = min(n, budget[i])
+            kept = None if out.kept_ids is None else out.kept_ids[i, :n]
+            pieces[r].append((out.response[i, :n], torch.ones(n, dtype=torch.long, device=device),
+                              out.behav_logprobs[i, :n], out.behav_entropy[i, :n], out.policy_version[i, :n], kept))
+            used[r] += n
+            actions.append(tokenizer.decode(out.response[i, :n - ended[r]], skip_special_tokens=True))
+            facts.append({"completion_ids": out.response[i, :n - ended[r]].tolist(), "ended": ended[r]})
+        steps = list(mapper(env_step, [envs[r] for r in active], actions, [cfg.env_latency] * len(active), facts))
+        still = []
+        for r, (observation, reward, done, role, error) in zip(active, steps):
+            rewards[r].append((used[r] - 1, reward))
+            errors[r] = error
+            obs = [] if done or not ended[r] else observation_ids(tokenizer, observation, role, chat,
+                                                                  int(pieces[r][-1][0][-1]))
+            if done or not ended[r] or turn == cfg.max_turns - 1 or used[r] + len(obs) >= T:
+                continue
+            n, last = len(obs), pieces[r][-1]
+            kept = None if last[5] is None else torch.full((n, last[5].shape[1]), -1, device=device)
+            if kept is not None:
+                kept[:, 0] = torch.tensor(obs)
+            zeros = torch.zeros(n, device=device)
+            pieces[r].append((torch.tensor(obs, device=device), zeros.long(), zeros, zeros,
+                              last[4][-1:].expand(n), kept))
+            used[r] += n
+            still.append(r)
+        active = still
+        if not active:
+            break
+
+    def field(k, fill):  # the rows' chunks of field k, each row right-padded to T columns: (B, T, ...)
+        rows = [torch.cat([chunk[k] for chunk in row]) for row in pieces]
+        out = torch.full((B, T, *rows[0].shape[1:]), fill, dtype=rows[0].dtype, device=device)
+        for r, x in enumerate(rows):
+            out[r, :len(x)] = x
+        return out
+    response = field(0, pad)
+    batch = Rollout(*left_pad(prompts, pad, device), response=response, response_mask=field(1, 0),
+                    behav_logprobs=field(2, 0.0), policy_version=field(4, 0), ended=torch.tensor(ended, device=device),
+                    kept_ids=None if pieces[0][0][5] is None else field(5, -1), behav_entropy=field(3, 0.0))
+    batch.context_mask = (torch.arange(T, device=device) < torch.tensor(used, device=device)[:, None]).long()
+    batch.turn_rewards = torch.zeros(B, T, device=device)
+    for r, turns in enumerate(rewards):
+        for column, reward in turns:
+            batch.turn_rewards[r, column] = reward
+    batch.completions = tokenizer.batch_decode([row[:n] for row, n in zip(response.tolist(), used)],
+                                               skip_special_tokens=True)
+    batch.episodes = {"rewards": [[x for _, x in turns] for turns in rewards], "errors": errors}
+    return batch
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # the built-in demo: supervised warm-up and held-out evaluation
 
 
 @torch.no_grad()
-def evaluate(policy, tokenizer, prompt_ids, prompt_texts, cfg: Config, seed: int, chunk=500):
-    """Sampled accuracy (as training samples), re-seeded: successive evaluations differ only by the weights."""
+def evaluate(policy, tokenizer, prompt_ids, prompt_texts, cfg: Config, seed: int, env=None, chunk=500) -> dict:
+    """Sampled accuracy (as training samples), re-seeded: successive evaluations differ only by the weights. env (the
+    multi-turn demo): success within --max-turns, on the first turn, and on the second try after a miss."""
     device = policy.device
     generator = torch.Generator(device).manual_seed(seed)
-    correct = 0.0
+    args = sampling_args(cfg, tokenizer.pad_token_id, tokenizer.eos_token_id)
+    first_success = []  # per prompt: the turn of its first reward (1, 2, ...), 0 for none
     for start in range(0, len(prompt_ids), chunk):
-        ids, mask = left_pad(prompt_ids[start:start + chunk], tokenizer.pad_token_id, device)
-        args = sampling_args(cfg, tokenizer.pad_token_id, tokenizer.eos_token_id)
-        batch = generate(policy, ids, mask, **args, generator=generator)
-        correct += sum(addition_reward(prompt_texts[start:start + chunk], decode_completions(tokenizer, batch),
-                                       batch.ended.tolist()))
-    return correct / len(prompt_ids)
+        texts = prompt_texts[start:start + chunk]
+        if env is None:
+            ids, mask = left_pad(prompt_ids[start:start + chunk], tokenizer.pad_token_id, device)
+            batch = generate(policy, ids, mask, **args, generator=generator)
+            first_success += addition_reward(texts, decode_completions(tokenizer, batch), batch.ended.tolist())
+        else:
+            batch = run_episodes(policy, [env() for _ in texts], texts, [seed] * len(texts), tokenizer, cfg, None,
+                                 **args, generator=generator)
+            first_success += [next((k + 1 for k, x in enumerate(turns) if x > 0), 0)
+                              for turns in batch.episodes["rewards"]]
+    share = [sum(0 < k <= turn for k in first_success) / len(first_success) for turn in (1, 2, cfg.max_turns)]
+    if env is None:
+        return {"eval_accuracy": share[0]}
+    return {"eval_accuracy": share[2], "eval_turn1": share[0], "eval_second_try": (share[1] - share[0]) / max(
+        1e-9, 1 - share[0])}
 
 
 def demo_warmup(policy, tokenizer, train_pairs, cfg: Config):
@@ -1341,7 +1531,7 @@ def demo_warmup(policy, tokenizer, train_pairs, cfg: Config):
             print(f"\rwarm-up step {step}/{cfg.demo_warmup_steps}: loss {loss.item():.3f}", end="", flush=True)
     check = random.Random(cfg.seed + 1).sample(range(len(train_pairs)), 256)  # for the log only
     texts = [addition_prompt(*train_pairs[i]) for i in check]
-    accuracy = evaluate(policy, tokenizer, [all_ids[i] for i in check], texts, cfg, seed=step)
+    accuracy = evaluate(policy, tokenizer, [all_ids[i] for i in check], texts, cfg, step)["eval_accuracy"]
     print(f"\nwarm-up: {step} steps in {time.time() - t0:.1f} s, sampled train accuracy {accuracy:.2f}")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     torch.save({"state_dict": policy.state_dict(), "steps": step, "accuracy": accuracy}, path + ".tmp")
@@ -1546,7 +1736,7 @@ def micro_batch_rows(batch: Rollout, minibatches, cfg: Config, ranks_agree=False
     ranks_agree: as many micro-batches per minibatch on every rank (one collective)."""
     if not cfg.micro_batch_tokens:
         return [list(rows.split(cfg.micro_batch_size or len(rows))) for rows in minibatches]
-    lengths = (batch.prompt_mask.sum(1) + batch.response_mask.sum(1)).tolist()
+    lengths = full_sequence(batch)[1].sum(1).tolist()
     groups = [token_budget_bins([lengths[r] for r in rows.tolist()], cfg.micro_batch_tokens) for rows in minibatches]
     counts = torch.tensor([len(g) for g in groups], device=batch.response.device)
     counts = all_reduce(counts, "max").tolist() if ranks_agree else counts.tolist()
@@ -1587,12 +1777,15 @@ class Training:
     logger: object = None
     tracer: Tracer = None
     producer: Producer = None
+    pool: object = None  # --env: the threads the environments step in
     run_start: float = 0.0  # time.time() at which the run (before a resume included) started
     window_start: float = 0.0  # the end of the last iteration: an iteration's window ends at the end of the next
 
     def close(self):  # on the way out, also on an error or Ctrl-C: stop and join the sampler, write the trace and log
         if self.producer is not None:
             self.producer.close()
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
         if self.tracer.profiler is not None:  # the trace of what the profiler's schedule recorded so far
             self.tracer.profiler.stop()
             if not os.path.exists(self.cfg.trace):  # (the schedule writes it once iteration 3 is done)
@@ -1654,8 +1847,11 @@ def start_training(cfg: Config, run, output_dir: str, threaded, ctx: Dist) -> Tr
     t.tracer = Tracer(cfg.trace if ctx.rank == 0 else "")
     t.order = prompt_order(len(run.prompt_ids), cfg.seed, start=t.start * (cfg.batch_size // cfg.samples_per_prompt))
     t.decoder = sampler
-    if cfg.static_cache:
-        longest = max(map(len, run.prompt_ids)) + cfg.response_length
+    if run.env is not None:  # a tool call mostly waits: as many threads as rows
+        import concurrent.futures
+        t.pool = concurrent.futures.ThreadPoolExecutor(rank_rows.stop - rank_rows.start, "ppo_tokens-env")
+    if cfg.static_cache:  # (--env: a turn's prefill is up to T columns longer for rows that have used fewer)
+        longest = max(map(len, run.prompt_ids)) + cfg.response_length * (2 if run.env else 1)
         cpu_thread = threaded and sampler.device.type == "cpu"  # the sampler thread runs one intra-op thread
         t.decoder = fast_decoder(sampler, rank_rows.stop - rank_rows.start, longest, PlainDecoder, cfg.compile_sampler,
                                  threads=1 if cpu_thread else 0, group=cfg.samples_per_prompt)
@@ -1678,10 +1874,25 @@ def make_batch(t: Training, i: int, stop: threading.Event) -> Rollout:
             if stop.is_set():
                 raise InterruptedError("the run is stopping")
             return t.sync.pull() if cfg.inflight_updates else version
-        batch = generate(t.decoder, ids, mask, **args, generator=t.sample_generator, policy_version=version,
-                         between_steps=next_version)
-        batch.prompts = [run.prompt_texts[r] for r in rows]
-        batch.completions = decode_completions(run.tokenizer, batch)
+        texts = [run.prompt_texts[r] for r in rows]
+        if run.env is None:
+            batch = generate(t.decoder, ids, mask, **args, generator=t.sample_generator, policy_version=version,
+                             between_steps=next_version)
+            batch.completions = decode_completions(run.tokenizer, batch)
+        else:  # an environment per row, seeded by the run, the batch and the row: a resume replays it
+            seeds = [cfg.seed * 1_000_003 + i * cfg.batch_size + t.rank_rows.start + k for k in range(len(rows))]
+            batch = run_episodes(t.decoder, [run.env() for _ in rows], texts, seeds, run.tokenizer, cfg, t.pool,
+                                 **args, generator=t.sample_generator, policy_version=version,
+                                 between_steps=next_version)
+            failed = [e for e in batch.episodes["errors"] if e]
+            if failed:
+                print(f"--env: {len(failed)} of {len(rows)} episodes of batch {i} ended on an error; the first: "
+                      f"{failed[0]}", flush=True)
+            if 2 * len(failed) > len(rows):
+                raise SystemExit(f"stopping: the environment failed in {len(failed)} of {len(rows)} episodes of batch "
+                                 f"{i} ({failed[0]}); the last good checkpoint is "
+                                 f"{t.last_checkpoint or 'none (--save-every 0)'}")
+        batch.prompts = texts
         batch.gen_s = time.perf_counter() - t0
         batch.sampler_rng = t.sample_generator.get_state()  # the state after this batch, for a checkpoint
     with t.tracer.span("score: reference, reward", "sampler"):
@@ -1695,16 +1906,17 @@ def log_iteration(t: Training, step: int, batch: Rollout, kl, stats: dict, lr: f
     """After a good update: evaluate (the demo), log and print the iteration's scalars over all ranks, a few samples."""
     cfg = t.cfg
     t.bad_steps = 0
-    accuracy = None
+    scores = {}
     if t.run.eval_ids is not None and (step % cfg.eval_every == 0 or step == cfg.steps) and t.ctx.rank == 0:
         with t.tracer.span("evaluate", "trainer"):  # the last published weights
-            accuracy = evaluate(t.evaluator, t.run.tokenizer, t.run.eval_ids, t.run.eval_texts, cfg, cfg.seed + 2)
+            scores = evaluate(t.evaluator, t.run.tokenizer, t.run.eval_ids, t.run.eval_texts, cfg, cfg.seed + 2,
+                              t.run.env)
     now = time.time()
     iter_s = now - t.window_start
     busy = t.tracer.take()
     B, P, T = batch.response.shape[0], batch.prompt_ids.shape[1], batch.response.shape[1]
-    response_tokens = int(batch.response_mask.sum())
-    sequence_tokens = response_tokens + int(batch.prompt_mask.sum())
+    response_tokens = int(batch.response_mask.sum())  # the policy's (--env: not the observations')
+    sequence_tokens = int(full_sequence(batch)[1].sum())
     trainer_busy = busy.get("trainer_busy_s", 0.0)
     sampler_busy = busy.get("sampler_busy_s", 0.0)
     kl_means = global_masked_means([(kl.sum(-1), batch.loss_rows.any(1)), (kl, batch.loss_rows)])
@@ -1731,14 +1943,17 @@ def log_iteration(t: Training, step: int, batch: Rollout, kl, stats: dict, lr: f
               "trainer_idle_frac": max(0.0, 1.0 - trainer_busy / iter_s),
               "overlap_frac": max(0.0, trainer_busy + sampler_busy - iter_s) / iter_s,  # both busy at once
               "weight_sync_ms": sync_ms}
+    if t.run.env is not None:  # per episode: its turns, and whether its environment failed
+        episodes = batch.episodes
+        record["turns_mean"] = sum(map(len, episodes["rewards"])) / B
+        record["env_errors"] = sum(e is not None for e in episodes["errors"])
     record = reduce_record(record, t.ctx.world)
     t.window_start = now
     record["time_s"] = now - t.run_start
-    if accuracy is not None:  # rank 0's, after the reduction
-        record["eval_accuracy"] = accuracy
+    record.update(scores)  # rank 0's, after the reduction
     t.logger.log(record)
     t.history.append(record)
-    acc = f" | acc {record['eval_accuracy']:.3f}" if accuracy is not None else ""
+    acc = "".join(f" | {k[5:].replace('accuracy', 'acc')} {v:.3f}" for k, v in scores.items())
     critic = f" | vloss {record['vf_loss']:.4f} | ev {record['explained_variance']:.2f}" if "vf_loss" in record else ""
     print(f"it {step:>4}/{cfg.steps} | reward {record['reward_mean']:.3f}{acc} | kl {record['kl']:.4f}"
           f" | ent {record['entropy']:.3f} | clip {record['clipfrac']:.3f}{critic}"
@@ -1954,7 +2169,7 @@ def nonfinite(batch: Rollout):  # what in a scored batch is NaN or inf, and in w
 # any other averaged (every rank holds as many rows, so row means average exactly; the statistics over the rows in
 # the loss are global means already, global_masked_means; the few other token means average the ranks').
 SUMMED_METRICS = ("response_tokens", "tokens_dropped", "gen_tokens_per_s", "train_tokens_per_s", "tokens_per_s",
-                  "zero_std_groups")
+                  "zero_std_groups", "env_errors")
 MAXED_METRICS = ("staleness_max", "is_weight_max", "behav_prox_max_diff", "first_ratio_max_dev")
 
 
@@ -2137,7 +2352,7 @@ CHOICES = {"is_mode": ("truncate", "mask"), "kl_estimator": ("k1", "k2", "k3"), 
            "dtype": ("float32", "bfloat16"), "long_prompts": ("truncate", "refuse")}
 LOWER_BOUNDS = {"steps": 1, "batch_size": 1, "response_length": 1, "ppo_epochs": 1, "minibatches": 1, "eval_every": 1,
                 "samples_per_prompt": 1, "keep_checkpoints": 1, "max_bad_steps": 1, "is_cap": 1, "max_staleness": 0,
-                "clip_range_high": 0, "save_every": 0, "micro_batch_tokens": 0}
+                "clip_range_high": 0, "save_every": 0, "micro_batch_tokens": 0, "max_turns": 1, "env_latency": 0}
 
 
 def parse_config(argv=None) -> Config:
@@ -2210,7 +2425,9 @@ def check_config(cfg: Config):
                (not (cfg.micro_batch_tokens and cfg.micro_batch_size),
                 "give --micro-batch-size (rows) or --micro-batch-tokens (a token budget), not both"),
                (not (cfg.reward and cfg.reward_model), "give either --reward or --reward-model, not both"),
-               (demo or cfg.reward or cfg.reward_model or cfg.bench_rollout,  # (the benchmark scores nothing)
+               (not (cfg.env and (cfg.reward or cfg.reward_model)),
+                "--env gives the rewards (each step's): drop --reward / --reward-model"),
+               (demo or cfg.reward or cfg.reward_model or cfg.env or cfg.bench_rollout,  # (the benchmark: no reward)
                 "--model/--prompts need a reward: pass --reward module:function or --reward-model DIR"),
                (not cfg.model or cfg.prompts,
                 "--model needs --prompts FILE.jsonl (the demo prompts fit the demo only)"),

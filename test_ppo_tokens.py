@@ -17,6 +17,8 @@ KERNEL_DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_I
 os.environ["PPO_TOKENS_STRICT"] = "1"  # a fast path that falls back is an error (fall_back), here and in subprocesses
 
 import contextlib
+import dataclasses
+import functools
 import io
 import json
 import math
@@ -426,6 +428,40 @@ def test_reward_lands_on_last_real_token_never_on_pad():
     expected[2, 0] += -1.0
     torch.testing.assert_close(rewards, expected, rtol=0, atol=1e-12)
     assert (rewards[~mask.bool()] == 0).all()
+
+
+def test_multi_turn_rewards_land_on_each_turns_last_policy_token():
+    # a hand-built conversation: turn 1 (columns 0-1), an observation (2-3), turn 2 (4-5), pads (6)
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1, 0], [1, 1, 1, 0, 0, 0, 0]])  # row 1: one turn
+    turns = torch.zeros(2, 7, dtype=torch.float64)
+    turns[0, 1], turns[0, 5], turns[1, 2] = 0.25, 1.0, 0.5  # each turn's reward on its last policy token
+    kl = torch.rand(2, 7, dtype=torch.float64)
+    scores = turns.sum(-1) - torch.tensor([0.0, 1.0])  # row 1: the missing-EOS penalty on the episode's return
+    rewards = pt.per_token_rewards(scores, kl, mask, 0.1, turns)
+    expected = torch.where(mask.bool(), -0.1 * kl, 0.0)
+    expected[0, 1] += 0.25
+    expected[0, 5] += 1.0
+    expected[1, 2] += 0.5 - 1.0
+    torch.testing.assert_close(rewards, expected, rtol=0, atol=1e-12)
+    assert (rewards[~mask.bool()] == 0).all()  # never on an observation or a pad
+
+
+def test_gae_steps_over_observations_as_one_trajectory_against_a_float64_loop():
+    torch.manual_seed(0)
+    B, T, gamma, lam = 5, 11, 0.9, 0.8
+    mask = (torch.rand(B, T) < 0.6).long()  # holes: observation tokens between the policy's
+    mask[:, 0], mask[0] = 1, 1  # (a response starts with the policy's token; row 0: one turn, no hole)
+    rewards, values = torch.randn(B, T, dtype=torch.float64), torch.randn(B, T, dtype=torch.float64)
+    adv, ret = pt.gae(rewards, values, mask, gamma, lam)
+    for b in range(B):  # the recursion over the policy's tokens alone: V after the last one is 0
+        cols = mask[b].nonzero()[:, 0].tolist()
+        a, expected = 0.0, torch.zeros(T, dtype=torch.float64)
+        for i in reversed(range(len(cols))):
+            nxt = float(values[b, cols[i + 1]]) if i + 1 < len(cols) else 0.0
+            a = float(rewards[b, cols[i]]) + gamma * nxt - float(values[b, cols[i]]) + gamma * lam * a
+            expected[cols[i]] = a
+        torch.testing.assert_close(adv[b], expected, rtol=0, atol=1e-12)
+        torch.testing.assert_close(ret[b], torch.where(mask[b].bool(), expected + values[b], 0.0), rtol=0, atol=1e-12)
 
 
 def test_kl_estimators_formulas_and_unbiasedness():
@@ -1612,6 +1648,196 @@ def test_bad_reward_function_output_is_a_clear_error(tmp_path):
     proc = run_main([*TINY, "--reward", "bad_rewards:short", "--output-dir", str(tmp_path / "run"), "--demo-cache",
                      str(tmp_path / "cache")], tmp_path)
     assert proc.returncode != 0 and "returned 1 scores for 16 completions" in proc.stderr
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# environments (--env): multi-turn rollouts
+
+
+class ScriptedEnv:
+    """Every step answers `observation` (as `role`) and rewards turn k with 10 k + the turn's token count."""
+
+    def __init__(self, observation="<=", role="user"):
+        self.observation, self.role, self.turn = observation, role, 0
+
+    def reset(self, prompt, seed=None):
+        return prompt, {}
+
+    def step(self, action, completion_ids, ended):
+        self.turn += 1
+        return self.observation, 10.0 * self.turn + len(completion_ids), False, False, {"role": self.role}
+
+
+def episodes(tokenizer, sampler, texts, env=ScriptedEnv, T=40, max_turns=3, seed=0, chat=False, **overrides):
+    cfg = pt.Config(response_length=T, max_turns=max_turns, temperature=1.0, chat_template=chat, **overrides)
+    args = pt.sampling_args(cfg, tokenizer.pad_token_id, [tokenizer.eos_token_id], vocab=len(tokenizer))
+    return cfg, pt.run_episodes(sampler, [env() for _ in texts], texts, list(range(len(texts))), tokenizer, cfg,
+                                None, **args, generator=torch.Generator().manual_seed(seed))
+
+
+def check_conversation(batch, tokenizer, observation_ids, T):
+    """Every row: policy runs and observation runs; each observation is exactly observation_ids (never sampled: no
+    log-prob), each turn but the last ends with EOS, and each turn's reward sits on its last token."""
+    turns = 0
+    for r in range(len(batch.response)):
+        used = int(batch.context_mask[r].sum())
+        assert batch.context_mask[r, :used].all() and not batch.context_mask[r, used:].any() and used <= T
+        policy, column, rewards = batch.response_mask[r].bool(), 0, []
+        assert (policy <= batch.context_mask[r].bool()).all() and policy[0]
+        while column < used:
+            start = column
+            while column < used and policy[column] == policy[start]:
+                column += 1
+            ids = batch.response[r, start:column].tolist()
+            if policy[start]:
+                n = len(ids) - (ids[-1] == tokenizer.eos_token_id)
+                rewards.append(10.0 * (len(rewards) + 1) + n)
+                assert batch.turn_rewards[r, column - 1] == rewards[-1]
+                assert column == used or ids[-1] == tokenizer.eos_token_id  # a turn continues only after EOS
+            else:
+                assert ids == observation_ids and (batch.behav_logprobs[r, start:column] == 0).all()
+        assert batch.turn_rewards[r].sum() == sum(rewards) and batch.episodes["rewards"][r] == rewards
+        turns += len(rewards)
+    return turns
+
+
+def test_multi_turn_episodes_mask_observations_and_score_like_the_whole_conversation():
+    tokenizer = pt.build_demo_tokenizer(hints=True)
+    policy = tiny_llama(len(tokenizer), seed=3, max_position_embeddings=256)
+    texts = ["1+2=", "37+45=", "9+90=", "5+5=", "12+4=", "0+0="]  # ragged: left padding in every turn
+    cfg, batch = episodes(tokenizer, policy, texts)
+    turns = check_conversation(batch, tokenizer, tokenizer("<=", add_special_tokens=False)["input_ids"], 40)
+    assert turns > len(texts) and (batch.context_mask > batch.response_mask).any()  # some rows had a second turn
+    # each turn's re-prefill gives the log-probs of scoring the whole conversation, observations as context
+    logprobs, _ = pt.rollout_logprobs(policy, batch, cfg)
+    torch.testing.assert_close(logprobs, batch.behav_logprobs, rtol=0, atol=1e-10)
+    assert (logprobs[batch.response_mask == 0] == 0).all()  # no log-prob (loss, KL, entropy) on an observation
+    # the fast decoder (static cache, P + 2T columns): rows that finished leave their places to copies of an active
+    # one (its batch size is fixed), so its random draws differ from the plain loop's after that; a conversation
+    # valid all the same
+    decoder = pt.fast_decoder(policy, len(texts), 7 + 2 * 120, pt.PlainDecoder)
+    assert type(decoder) is pt.StaticDecoder
+    fast = episodes(tokenizer, decoder, texts)[1]
+    check_conversation(fast, tokenizer, tokenizer("<=", add_special_tokens=False)["input_ids"], 40)
+    torch.testing.assert_close(pt.rollout_logprobs(policy, fast, cfg)[0], fast.behav_logprobs, rtol=0, atol=1e-10)
+    # two turns that every row reaches (120 tokens: EOS comes first): both decoders sample the same conversation
+    plain, fast = (episodes(tokenizer, sampler, texts, T=120, max_turns=2)[1] for sampler in (policy, decoder))
+    assert int(plain.context_mask.sum()) > int(plain.response_mask.sum()) > 0
+    for name in ("response", "response_mask", "context_mask", "turn_rewards", "policy_version", "ended"):
+        assert torch.equal(getattr(fast, name), getattr(plain, name)), name
+    torch.testing.assert_close(fast.behav_logprobs, plain.behav_logprobs, rtol=0, atol=1e-12)
+    # packed scoring reads the same holes
+    torch.testing.assert_close(pt.rollout_logprobs(policy, batch, dataclasses.replace(cfg, micro_batch_tokens=999))[0],
+                               logprobs, rtol=0, atol=1e-10)
+
+
+def chat_tokenizer():  # characters plus role and end-of-turn tokens, with a chat template that knows a tool role
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    specials = ["<pad>", "<|end|>", "<|user|>", "<|assistant|>", "<|tool|>"]
+    vocab = {t: i for i, t in enumerate([*specials, *"0123456789+=<>?!\n abc"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="?"))
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<|end|>",
+                                  additional_special_tokens=specials[2:])
+    tok.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>\n{% endfor %}"
+                         "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    return tok
+
+
+def test_a_tool_observation_goes_through_the_chat_template_as_context():
+    tokenizer = chat_tokenizer()
+    policy = tiny_llama(len(tokenizer), seed=4)
+    tool = functools.partial(ScriptedEnv, "42", "tool")  # a Python function tool's answer, as a tool message
+    cfg, batch = episodes(tokenizer, policy, ["1+2", "3+4", "50+6"], env=tool, chat=True)
+    # after the policy's <|end|>: the rest of the template's turn end, the tool message, the assistant header
+    expected = tokenizer("\n<|tool|>42<|end|>\n<|assistant|>", add_special_tokens=False)["input_ids"]
+    assert check_conversation(batch, tokenizer, expected, 40) > 3
+    first = tokenizer.apply_chat_template([{"role": "user", "content": "1+2"}], add_generation_prompt=True,
+                                          tokenize=False)
+    first = tokenizer(first, add_special_tokens=False)["input_ids"]
+    assert batch.prompt_ids[0, -len(first):].tolist() == first  # the first observation: the chat's user turn
+    torch.testing.assert_close(pt.rollout_logprobs(policy, batch, cfg)[0], batch.behav_logprobs, rtol=0, atol=1e-10)
+
+
+ENV_RUN = ["--env", "demo", "--batch-size", "16", "--minibatches", "2", "--steps", "2", "--demo-warmup-steps", "0",
+           "--eval-size", "40", "--eval-every", "1", "--sample-every", "1", "--device", "cpu"]
+
+
+def test_the_multi_turn_demo_runs_and_logs_success_by_turn(tmp_path):
+    out = run_script([*ENV_RUN, "--output-dir", tmp_path / "run", "--demo-cache", tmp_path / "cache"], tmp_path)
+    before, *records = read_metrics(tmp_path / "run")
+    assert "--response-length 16" in out and "turn1" in out and "second_try" in out
+    for r in (before, *records):
+        assert 0 <= r["eval_turn1"] <= r["eval_accuracy"] <= 1 and 0 <= r["eval_second_try"] <= 1
+    assert all(1 <= r["turns_mean"] <= 2 and r["env_errors"] == 0 for r in records)
+    assert len(records) == 2 and all(math.isfinite(r["pg_loss"]) for r in records)
+
+
+def test_multi_turn_staleness_one_with_inflight_updates_tags_every_turns_tokens(tmp_path):
+    run_script([*ENV_RUN, "--max-staleness", "1", "--inflight-updates", "--steps", "3",
+                "--output-dir", tmp_path / "run", "--demo-cache", tmp_path / "cache"], tmp_path)
+    records = read_metrics(tmp_path / "run")[1:]
+    assert [r["step"] for r in records] == [1, 2, 3] and all(r["staleness_max"] <= 1 for r in records)
+    assert records[-1]["staleness_mean"] > 0 and all(math.isfinite(r["pg_loss"]) for r in records)
+
+
+@slow
+def test_multi_turn_resume_after_kill_and_under_torchrun(tmp_path):
+    from safetensors.torch import load_file
+    (tmp_path / "killer_env.py").write_text(
+        "import os, signal, sys\nsys.path.insert(0, %r)\nimport ppo_tokens\ncalls = 0\n"
+        "class Killer(ppo_tokens.AdditionRetry):  # kill -9 at step call $KILL_AT, from the pool's thread\n"
+        "    def step(self, action, ended=True):\n        global calls\n        calls += 1\n"
+        "        if calls == int(os.environ.get('KILL_AT', '0')):\n            os.kill(os.getpid(), signal.SIGKILL)\n"
+        "        return super().step(action, ended)\n" % HERE)
+    args = ["--env", "killer_env:Killer", *ENV_RUN[2:], "--steps", "4", "--save-every", "1", "--eval-size", "1",
+            "--eval-every", "100", "--sample-every", "0", "--demo-cache", str(tmp_path / "cache")]
+    run_script([*args, "--output-dir", tmp_path / "full"], tmp_path)
+    killed = run_raw([*args, "--output-dir", str(tmp_path / "part")], tmp_path, KILL_AT="40")  # in iteration 2 or 3
+    assert killed.returncode == -9 and 1 <= len(pt.checkpoints(tmp_path / "part")) <= 2
+    assert "resumed from" in run_script(["--resume", str(tmp_path / "part")], tmp_path)
+    full = load_file(tmp_path / "full/policy/model.safetensors")
+    part = load_file(tmp_path / "part/policy/model.safetensors")
+    assert all(torch.equal(full[k], part[k]) for k in full)
+    assert [r.get("turns_mean") for r in read_metrics(tmp_path / "full")] == \
+        [r.get("turns_mean") for r in read_metrics(tmp_path / "part")]
+    # two ranks, each with its own environments: identical weights, and a resume that ends at them
+    base = [digest_script(tmp_path), "--env", "demo", *ENV_RUN[2:], "--steps", "2", "--save-every", "1",
+            "--eval-size", "4", "--sample-every", "0"]
+    full = digests(torchrun([*base, "--output-dir", str(tmp_path / "ddp")], tmp_path).stdout)
+    resumed = torchrun([base[0], "--resume", str(pt.checkpoints(tmp_path / "ddp")[0])], tmp_path).stdout
+    assert full[0] == full[1] and digests(resumed) == full
+
+
+def test_bad_environments_get_one_line_and_lose_nothing(tmp_path, capsys):
+    (tmp_path / "envs.py").write_text(
+        "import sys\nsys.path.insert(0, %r)\nimport ppo_tokens\n"
+        "class Flaky(ppo_tokens.AdditionRetry):  # every third episode's tool fails\n"
+        "    made = 0\n"
+        "    def __init__(self):\n        super().__init__()\n        Flaky.made += 1\n        self.n = Flaky.made\n"
+        "    def step(self, action, ended=True):\n"
+        "        if self.n %% 3 == 0:\n            raise ConnectionError('tool down')\n"
+        "        return super().step(action, ended)\n"
+        "class Down(Flaky):\n    def step(self, action, ended=True):\n        raise ConnectionError('tool down')\n"
+        "class NoText(Flaky):\n    def step(self, action, ended=True):\n        return 7, 0.0, False, False, {}\n"
+        "def broken():\n    raise RuntimeError('no sandbox')\n" % HERE)
+    run = [a for a in ENV_RUN if a != "demo"][1:] + ["--demo-cache", tmp_path / "cache"]
+    out = run_script(["--env", "envs:Flaky", *run, "--output-dir", tmp_path / "flaky"], tmp_path)
+    assert "episodes of batch 0 ended on an error; the first: ConnectionError: tool down" in out
+    assert all(r["env_errors"] >= 5 for r in read_metrics(tmp_path / "flaky")[1:])  # (16 rows: 5 or 6 failed)
+    proc = run_main(["--env", "envs:Down", *run, "--output-dir", tmp_path / "down"], tmp_path)
+    assert proc.returncode == 1 and "the environment failed in 16 of 16 episodes of batch 0" in proc.stderr
+    assert "the last good checkpoint is none" in proc.stderr
+    proc = run_main(["--env", "envs:NoText", *run, "--output-dir", tmp_path / "notext"], tmp_path)
+    assert proc.returncode == 1 and "(TypeError: step() returned a int observation, not a str)" in proc.stderr
+    for env, message in (("nowhere:make", "--env 'nowhere:make': cannot load it (ModuleNotFoundError"),
+                         ("envs:broken", "--env 'envs:broken': its factory raised RuntimeError: no sandbox")):
+        proc = run_main(["--env", env, *run, "--output-dir", tmp_path / "x"], tmp_path)
+        assert proc.returncode == 1 and message in proc.stderr, proc.stderr
+    status, message = exit_of(["--env", "demo", "--reward", "m:f"], capsys)
+    assert status == 2 and "--env gives the rewards (each step's): drop --reward / --reward-model" in message
 
 
 # ---------------------------------------------------------------------------------------------------------------
