@@ -8,13 +8,15 @@ advantages, and the clipped PPO objective updates policy and critic over a few e
 function plus one entry in a table: advantage estimators (ADVANTAGES: gae, reinforce++, and the critic-free grpo and
 rloo over groups of --samples-per-prompt completions), policy losses (POLICY_LOSSES: ppo, gspo, cispo) and
 policy-gradient masks (PG_MASKS). --max-staleness k: a sampler thread runs up to k policy versions ahead and decoupled
-PPO corrects for it. Under torchrun the actor and critic train data-parallel (DDP, or FSDP2 with --fsdp).
+PPO corrects for it. --env: multi-turn episodes with an environment (Gymnasium's reset / step over text), its
+observations context the loss never sees. Under torchrun the actor and critic train data-parallel (DDP, or FSDP2).
 Left out: pure-bf16 weights (fp32 master weights and AdamW), paged attention / continuous batching in the sampler.
 
     python ppo_tokens.py                                  # CPU demo: a 0.6M-parameter Llama learns addition
     python ppo_tokens.py --model Qwen/Qwen2.5-0.5B-Instruct --prompts prompts.jsonl --reward-model ./my_rm \\
         --response-length 256 --batch-size 64 --micro-batch-size 8 --lr 1e-6 --critic-lr 1e-5    # one GPU
     python ppo_tokens.py --advantage grpo --samples-per-prompt 8     # the demo, critic-free
+    python ppo_tokens.py --env demo                       # the demo, multi-turn: a second try after a hint
     torchrun --standalone --nproc_per_node 8 ppo_tokens.py --model ...  # one node, 8 GPUs (--fsdp to shard)
     python ppo_tokens.py --help                           # every flag, with its units and typical values
 README.md gives its numbers with the commands and machines they came from.
@@ -1391,7 +1393,12 @@ def run_episodes(decoder, envs, texts, seeds, tokenizer, cfg: Config, pool=None,
     without a stop id, or when its --response-length budget (turns and observations) runs out. sampling: generate's
     keyword arguments (sampling_args, generator, ...). -> a Rollout with context_mask and turn_rewards."""
     B, T, pad, mapper = len(envs), cfg.response_length, sampling["pad_id"], pool.map if pool else map
-    first = list(mapper(lambda e, p, s: e.reset(p, seed=s)[0], envs, texts, seeds))
+    try:
+        first = list(mapper(lambda e, p, s: e.reset(p, seed=s)[0], envs, texts, seeds))
+        if not all(isinstance(x, str) for x in first):
+            raise TypeError("it must return (the first observation, a str; info)")
+    except Exception as e:  # (no episode has begun: nothing to keep)
+        raise SystemExit(f"--env: reset() raised {type(e).__name__}: {e}")
     prompts = format_prompts(tokenizer, first, cfg.chat_template, cfg.max_prompt_length, cfg.long_prompts)
     chat = cfg.chat_template and getattr(tokenizer, "chat_template", None) is not None
     pieces = [[] for _ in range(B)]  # per row: (ids, policy mask, log-probs, entropies, versions, kept ids) chunks

@@ -1759,6 +1759,13 @@ def test_a_tool_observation_goes_through_the_chat_template_as_context():
     first = tokenizer(first, add_special_tokens=False)["input_ids"]
     assert batch.prompt_ids[0, -len(first):].tolist() == first  # the first observation: the chat's user turn
     torch.testing.assert_close(pt.rollout_logprobs(policy, batch, cfg)[0], batch.behav_logprobs, rtol=0, atol=1e-10)
+    readme = open(os.path.join(HERE, "README.md"), encoding="utf-8").read()  # the README's tool, as written there
+    namespace = {"math": math}
+    exec(readme[readme.index("class SqrtTool"):].split("```")[0], namespace)
+    tool = namespace["SqrtTool"]()
+    assert tool.reset("sqrt(x) to 3 decimals? x = 17") == ("sqrt(x) to 3 decimals? x = 17", {})
+    assert pt.env_step(tool, "sqrt 2", 0.0, {}) == ("1.414214", 0.0, False, "tool", None)
+    assert pt.env_step(tool, "4.123", 0.0, {"ended": True})[1:3] == (1.0, True)
 
 
 ENV_RUN = ["--env", "demo", "--batch-size", "16", "--minibatches", "2", "--steps", "2", "--demo-warmup-steps", "0",
@@ -1811,6 +1818,7 @@ def test_multi_turn_resume_after_kill_and_under_torchrun(tmp_path):
     assert full[0] == full[1] and digests(resumed) == full
 
 
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step")  # (the skipped updates')
 def test_bad_environments_get_one_line_and_lose_nothing(tmp_path, capsys):
     (tmp_path / "envs.py").write_text(
         "import sys\nsys.path.insert(0, %r)\nimport ppo_tokens\n"
@@ -1822,6 +1830,8 @@ def test_bad_environments_get_one_line_and_lose_nothing(tmp_path, capsys):
         "        return super().step(action, ended)\n"
         "class Down(Flaky):\n    def step(self, action, ended=True):\n        raise ConnectionError('tool down')\n"
         "class NoText(Flaky):\n    def step(self, action, ended=True):\n        return 7, 0.0, False, False, {}\n"
+        "class NaN(Flaky):\n    def step(self, action, ended=True):\n        return '', float('nan'), True, False, {}\n"
+        "class NoReset(Flaky):\n    def reset(self, prompt, seed=None):\n        return None\n"
         "def broken():\n    raise RuntimeError('no sandbox')\n" % HERE)
     run = [a for a in ENV_RUN if a != "demo"][1:] + ["--demo-cache", tmp_path / "cache"]
     out = run_script(["--env", "envs:Flaky", *run, "--output-dir", tmp_path / "flaky"], tmp_path)
@@ -1832,8 +1842,11 @@ def test_bad_environments_get_one_line_and_lose_nothing(tmp_path, capsys):
     assert "the last good checkpoint is none" in proc.stderr
     proc = run_main(["--env", "envs:NoText", *run, "--output-dir", tmp_path / "notext"], tmp_path)
     assert proc.returncode == 1 and "(TypeError: step() returned a int observation, not a str)" in proc.stderr
+    out = run_script(["--env", "envs:NaN", *run, "--output-dir", tmp_path / "nan"], tmp_path)  # the non-finite guard
+    assert out.count("update skipped: non-finite scores in rows [0, 1, 2") == 2
     for env, message in (("nowhere:make", "--env 'nowhere:make': cannot load it (ModuleNotFoundError"),
-                         ("envs:broken", "--env 'envs:broken': its factory raised RuntimeError: no sandbox")):
+                         ("envs:broken", "--env 'envs:broken': its factory raised RuntimeError: no sandbox"),
+                         ("envs:NoReset", "--env: reset() raised TypeError: 'NoneType' object is not subscriptable")):
         proc = run_main(["--env", env, *run, "--output-dir", tmp_path / "x"], tmp_path)
         assert proc.returncode == 1 and message in proc.stderr, proc.stderr
     status, message = exit_of(["--env", "demo", "--reward", "m:f"], capsys)
