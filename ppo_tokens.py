@@ -120,8 +120,7 @@ class Config:
     full_logits: bool = arg(False, "log-probs from full [tokens, vocab] logits, not the fused lm_head path")
     fsdp: bool = arg(False, "torchrun: shard actor/critic weights, grads, Adam states (FSDP2), not replicate (DDP)")
     # the built-in demo
-    demo_warmup_steps: int = arg(None, "supervised warm-up steps before PPO (0 = none); fixed: past the loss's drop, "
-                                       "1000; --env demo: 300, before it")
+    demo_warmup_steps: int = arg(1000, "supervised warm-up steps before PPO (0 = none); fixed, past the loss's drop")
     demo_warmup_lr: float = arg(3e-3, "warm-up learning rate (AdamW, betas (0.9, 0.95), 50-step linear warm-up)")
     demo_hidden: int = arg(128, "demo model width (3 layers, 4 heads; 128 = 0.6M parameters)")
     demo_layers: int = arg(3, "demo model depth")
@@ -163,10 +162,6 @@ class Config:
         self.resolved = {k: defaults[k] for k in unset}
         if not self.kl_estimator:  # k1 in the reward; in the loss k3 (k1's expected gradient there is 0)
             self.resolved["kl_estimator"] = "k1" if self.resolved.get("kl_in", self.kl_in) == "reward" else "k3"
-        if self.demo_warmup_steps is None:  # (0 means none; the demo's only)
-            self.demo_warmup_steps = 300 if self.env else 1000
-            if not self.model and not self.prompts:
-                self.resolved["demo_warmup_steps"] = self.demo_warmup_steps
         for name, value in self.resolved.items():
             setattr(self, name, value)
         if self.compile_sampler is None:  # on a CPU with a C++ compiler, where its ~90 s pay back: ~0.16 ms a token
@@ -280,10 +275,12 @@ class PlainDecoder:
 
 @torch.no_grad()
 def generate(sampler, prompt_ids, prompt_mask, *, max_new_tokens, temperature, stop_ids, pad_id, generator,
-             top_k=0, top_p=1.0, vocab=None, policy_version=0, between_steps=None):
+             top_k=0, top_p=1.0, vocab=None, policy_version=0, between_steps=None, budgets=None):
     """Our own sampling loop, so that every detail is visible; each token's log-prob comes from the function the
     trainer scores with. vocab: sample ids < vocab only (never our added pad). between_steps() -> the policy version:
-    in-flight weight updates (PipelineRL; the KV cache keeps the old weights', each token is tagged)."""
+    in-flight weight updates (PipelineRL; the KV cache keeps the old weights', each token is tagged). budgets: (B,)
+    each row's most new tokens (multi-turn), else max_new_tokens for every row."""
+    limit = max_new_tokens if budgets is None else budgets
     decoder = PlainDecoder(sampler) if isinstance(sampler, nn.Module) else sampler
     logits = decoder.start(prompt_ids, prompt_mask, positions(prompt_mask))[:, :vocab]  # (B, V)
     stop_ids = torch.as_tensor(stop_ids, device=prompt_ids.device).reshape(-1)
@@ -297,14 +294,14 @@ def generate(sampler, prompt_ids, prompt_mask, *, max_new_tokens, temperature, s
             kept.append(kept_ids)
         token = sample_tokens(torch.softmax(scaled, -1), generator)  # (B,)
         logprob, entropy = token_logprobs(logits, token, temperature, kept_ids=kept_ids)  # (B,) each
-        alive = ~done
+        alive = ~done & (t < limit)
         tokens.append(torch.where(alive, token, pad_id))
         masks.append(alive)
         logprobs.append(torch.where(alive, logprob, 0.0))
         entropies.append(torch.where(alive, entropy, 0.0))
         versions.append(policy_version)
         done = done | (alive & torch.isin(token, stop_ids))
-        if t == max_new_tokens - 1 or (t % 4 == 3 and bool(done.all())):  # one host sync every 4 steps, not every step
+        if t == max_new_tokens - 1 or (t % 4 == 3 and bool((done | (t + 1 >= limit)).all())):  # a sync every 4 steps
             break
         if between_steps is not None:
             policy_version = between_steps()
@@ -1231,6 +1228,7 @@ def load_env(spec: str):  # -> the factory, checked once: it makes an environmen
         raise SystemExit(f"--env {spec!r}: its factory raised {type(e).__name__}: {e}")
     if not all(callable(getattr(env, name, None)) for name in ("reset", "step")):
         raise SystemExit(f"--env {spec!r}: the factory made a {type(env).__name__}, which lacks reset() or step()")
+    getattr(env, "close", lambda: None)()
     return factory
 
 
@@ -1332,24 +1330,26 @@ def rule_scores(rule, batch: Rollout):
 
 
 class AdditionRetry:
-    """The multi-turn demo's environment: a wrong answer to a+b= gets a hint, '<' (too low) or '>' (too high), then
-    the question again, and the policy tries again (--max-turns); hint=False, the control: '=' instead of the hint.
-    Reward 1 for the sum then EOS, which ends the episode."""
+    """The multi-turn demo's environment, a guessing game: the number is a+b plus a hidden -1, 0 or +1 (drawn from the
+    episode's seed). A wrong guess gets a hint, '<' (too low) or '>' (too high), then the question again, and another
+    try (--max-turns); hint=False, the control: '=' instead of the hint. Reward 1 for the number then EOS."""
 
     def __init__(self, hint=True):
         self.hint = hint
 
     def reset(self, prompt: str, seed: int = None):  # -> (observation: the first user message, info)
         a, b = prompt.rstrip("=").split("+")
-        self.question, self.answer = prompt, int(a) + int(b)
+        self.question, self.answer = prompt, int(a) + int(b) + random.Random(seed).choice((-1, 0, 1))
         return prompt, {}
 
     def step(self, action: str, ended: bool = True):  # -> (observation, reward, terminated, truncated, info)
         if ended and action.strip() == str(self.answer):
             return "", 1.0, True, False, {}
-        guess = int(action) if action.strip().isdigit() else -1
-        hint = ("<" if guess < self.answer else ">") if self.hint else "="
-        return hint + self.question, 0.0, False, False, {}
+        return retry_hint(action, self.answer, self.hint) + self.question, 0.0, False, False, {}
+
+
+def retry_hint(guess: str, answer: int, hint=True) -> str:
+    return ("<" if (int(guess) if guess.strip().isdigit() else -1) < answer else ">") if hint else "="
 
 
 ENVIRONMENTS = {"demo": AdditionRetry, "demo-control": functools.partial(AdditionRetry, hint=False)}
@@ -1370,7 +1370,8 @@ def env_step(env, action: str, latency: float, facts: dict):
 
 def observation_ids(tokenizer, text: str, role: str, chat: bool, stop_id: int) -> list:
     """An observation's tokens after a turn that ended with stop_id: the text's own, or (chat) what the template
-    writes after that stop for a `role` message (a tool's, a user's) and the assistant header that follows it."""
+    writes after that stop for a `role` message (a tool's, a user's) and the assistant header that follows it.
+    Raises ValueError for a template that rewrites earlier turns (the conversation would not be one sequence)."""
     if not chat:
         return tokenizer(text, add_special_tokens=False)["input_ids"]
     turn = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "!"}]
@@ -1378,10 +1379,10 @@ def observation_ids(tokenizer, text: str, role: str, chat: bool, stop_id: int) -
     after = tokenizer.apply_chat_template([*turn, {"role": role, "content": text}], tokenize=False,
                                           add_generation_prompt=True)
     end, stop = before.rfind("!") + 1, tokenizer.decode([stop_id])
-    if not after.startswith(before) or not before.startswith(stop, end):
-        raise SystemExit(f"--env: the chat template does not end an assistant turn with {stop!r} or rewrites earlier "
-                         "turns; observations cannot be appended to it (use --no-chat-template)")
-    return tokenizer(before[end + len(stop):] + after[len(before):], add_special_tokens=False)["input_ids"]
+    if not after.startswith(before):
+        raise ValueError("the chat template rewrites earlier turns when a message follows (use --no-chat-template)")
+    end += len(stop) if before.startswith(stop, end) else 0  # another stop id: the template's end of turn after it
+    return tokenizer(before[end:] + after[len(before):], add_special_tokens=False)["input_ids"]
 
 
 @torch.no_grad()
@@ -1410,15 +1411,16 @@ def run_episodes(decoder, envs, texts, seeds, tokenizer, cfg: Config, pool=None,
         budget = [T - used[r] for r in active]
         ids, mask = left_pad([prompts[r] + [i for p in pieces[r] for i in p[0].tolist()] for r in active], pad, device)
         model = decoder
-        if isinstance(decoder, StaticDecoder):  # its batch size: finished rows' places go to copies of an active one
-            ids, mask = (torch.cat([x, x[:1].expand(decoder.mask.shape[0] - len(active), -1)]) for x in (ids, mask))
+        if isinstance(decoder, StaticDecoder):  # its batch size: finished rows' places go to one-token copies
+            fill = decoder.mask.shape[0] - len(active)
+            ids, mask = (torch.cat([x, x[:1].expand(fill, -1)]) for x in (ids, mask))
+            budget += [1] * fill
             model = decoder if ids.shape[1] + max(budget) <= decoder.max_len else PlainDecoder(decoder.model)
-        out = generate(model, ids, mask, **{**sampling, "max_new_tokens": max(budget)})
+        out = generate(model, ids, mask, **{**sampling, "max_new_tokens": max(budget),
+                                            "budgets": torch.tensor(budget, device=device)})
         actions, facts = [], []
         for i, r in enumerate(active):
-            n = int(out.response_mask[i].sum())
-            ended[r] = bool(out.ended[i]) and n <= budget[i]
-            n = min(n, budget[i])
+            n, ended[r] = int(out.response_mask[i].sum()), bool(out.ended[i])
             kept = None if out.kept_ids is None else out.kept_ids[i, :n]
             pieces[r].append((out.response[i, :n], torch.ones(n, dtype=torch.long, device=device),
                               out.behav_logprobs[i, :n], out.behav_entropy[i, :n], out.policy_version[i, :n], kept))
@@ -1430,22 +1432,28 @@ def run_episodes(decoder, envs, texts, seeds, tokenizer, cfg: Config, pool=None,
         for r, (observation, reward, done, role, error) in zip(active, steps):
             rewards[r].append((used[r] - 1, reward))
             errors[r] = error
-            obs = [] if done or not ended[r] else observation_ids(tokenizer, observation, role, chat,
-                                                                  int(pieces[r][-1][0][-1]))
-            if done or not ended[r] or turn == cfg.max_turns - 1 or used[r] + len(obs) >= T:
+            if done or not ended[r] or turn == cfg.max_turns - 1:
+                continue
+            try:  # (a template that refuses the role: this row's error)
+                obs = observation_ids(tokenizer, observation, role, chat, int(pieces[r][-1][0][-1]))
+            except Exception as e:
+                errors[r] = f"the observation: {type(e).__name__}: {str(e)[:200]}"
+                continue
+            if used[r] + len(obs) >= T:  # no room for the observation and a token after it: truncated
                 continue
             n, last = len(obs), pieces[r][-1]
-            kept = None if last[5] is None else torch.full((n, last[5].shape[1]), -1, device=device)
-            if kept is not None:
-                kept[:, 0] = torch.tensor(obs)
+            obs = torch.tensor(obs, dtype=torch.long, device=device)  # (its kept ids: itself, -1 padded)
+            width = None if last[5] is None else last[5].shape[1]
+            kept = None if width is None else torch.cat([obs[:, None], obs.new_full((n, width - 1), -1)], 1)
             zeros = torch.zeros(n, device=device)
-            pieces[r].append((torch.tensor(obs, device=device), zeros.long(), zeros, zeros,
-                              last[4][-1:].expand(n), kept))
+            pieces[r].append((obs, zeros.long(), zeros, zeros, last[4][-1:].expand(n), kept))
             used[r] += n
             still.append(r)
         active = still
         if not active:
             break
+    for env in envs:  # (a sandbox, a subprocess: its resources go now)
+        getattr(env, "close", lambda: None)()
 
     def field(k, fill):  # the rows' chunks of field k, each row right-padded to T columns: (B, T, ...)
         rows = [torch.cat([chunk[k] for chunk in row]) for row in pieces]
@@ -1487,8 +1495,9 @@ def evaluate(policy, tokenizer, prompt_ids, prompt_texts, cfg: Config, seed: int
             batch = generate(policy, ids, mask, **args, generator=generator)
             first_success += addition_reward(texts, decode_completions(tokenizer, batch), batch.ended.tolist())
         else:
-            batch = run_episodes(policy, [env() for _ in texts], texts, [seed] * len(texts), tokenizer, cfg, None,
-                                 **args, generator=generator)
+            seeds = [seed * 1_000_003 + start + k for k in range(len(texts))]  # (the same tasks every evaluation)
+            batch = run_episodes(policy, [env() for _ in texts], texts, seeds, tokenizer, cfg, None, **args,
+                                 generator=generator)
             first_success += [next((k + 1 for k, x in enumerate(turns) if x > 0), 0)
                               for turns in batch.episodes["rewards"]]
     share = [sum(0 < k <= turn for k in first_success) / len(first_success) for turn in (1, 2, cfg.max_turns)]
@@ -1501,8 +1510,9 @@ def evaluate(policy, tokenizer, prompt_ids, prompt_texts, cfg: Config, seed: int
 def demo_warmup(policy, tokenizer, train_pairs, cfg: Config):
     """Supervised warm-up, so that PPO starts from a policy that is sometimes right. A fixed number of steps: a stop
     at an accuracy threshold moved with rounding, as does the loss's drop (CPU: 300-500 steps, H200: 500+). Cached."""
+    retry = cfg.env in ENVIRONMENTS  # the multi-turn demo: every other row a second try after a miss (its format)
     key = json.dumps([policy.config.to_json_string(), sorted(tokenizer.get_vocab().items()), cfg.seed,
-                      cfg.demo_warmup_lr, cfg.demo_warmup_steps, "v4"])
+                      cfg.demo_warmup_lr, cfg.demo_warmup_steps, "v4", *([cfg.env] if retry else [])])
     name = f"demo-warmup-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
     path = os.path.join(os.path.expanduser(cfg.demo_cache), name)
     if os.path.exists(path):
@@ -1523,9 +1533,23 @@ def demo_warmup(policy, tokenizer, train_pairs, cfg: Config):
     for step in range(1, cfg.demo_warmup_steps + 1):
         rows = rng.sample(range(len(train_pairs)), 128)
         ids, mask = left_pad([all_ids[i] for i in rows], tokenizer.pad_token_id, policy.device)
-        response = tokenizer.pad({"input_ids": [answers[i] for i in rows]}, padding_side="right", return_tensors="pt")
-        response = response.to(policy.device)
+        seqs, loss = [answers[i] for i in rows], None
+        if retry:  # every other row a second try after a miss W: W<eos>, the hint, a+b= again, then the sum
+            misses = [max(0, a + b + rng.choice((-10, -2, -1, 1, 2, 10))) for a, b in (train_pairs[i] for i in rows)]
+            seqs, loss = [], []
+            for k, (i, miss) in enumerate(zip(rows, misses)):
+                a, b = train_pairs[i]
+                hint = retry_hint(str(miss), a + b, cfg.env == "demo") + addition_prompt(a, b)
+                context = [] if k % 2 == 0 else tokenizer(f"{miss}", add_special_tokens=False)["input_ids"] + [
+                    tokenizer.eos_token_id] + tokenizer(hint, add_special_tokens=False)["input_ids"]
+                seqs.append(context + answers[i])
+                loss.append([0] * len(context) + [1] * len(answers[i]))  # the loss on the sum and its EOS only
+        response = tokenizer.pad({"input_ids": seqs}, padding_side="right", return_tensors="pt").to(policy.device)
         batch = Rollout(ids, mask, response["input_ids"], response["attention_mask"], None, None, None)
+        if retry:  # (the hint's meaning is left to PPO: here the plain sum always follows it)
+            batch.context_mask = batch.response_mask
+            batch.response_mask = torch.tensor([x + [0] * (batch.response.shape[1] - len(x)) for x in loss],
+                                               device=policy.device)
         logprobs, _ = sequence_logprobs(policy, *full_sequence(batch), batch.response, batch.response_mask, 1.0,
                                         full_logits=cfg.full_logits)
         loss = -masked_mean(logprobs, batch.response_mask)  # cross-entropy on the answer and its EOS only
@@ -1886,8 +1910,9 @@ def make_batch(t: Training, i: int, stop: threading.Event) -> Rollout:
             batch = generate(t.decoder, ids, mask, **args, generator=t.sample_generator, policy_version=version,
                              between_steps=next_version)
             batch.completions = decode_completions(run.tokenizer, batch)
-        else:  # an environment per row, seeded by the run, the batch and the row: a resume replays it
-            seeds = [cfg.seed * 1_000_003 + i * cfg.batch_size + t.rank_rows.start + k for k in range(len(rows))]
+        else:  # an environment per row, seeded by the run, the batch and the prompt: a resume replays it
+            seeds = [cfg.seed * 1_000_003 + i * cfg.batch_size + (t.rank_rows.start + k) // cfg.samples_per_prompt
+                     for k in range(len(rows))]  # (a group's rows: one task)
             batch = run_episodes(t.decoder, [run.env() for _ in rows], texts, seeds, run.tokenizer, cfg, t.pool,
                                  **args, generator=t.sample_generator, policy_version=version,
                                  between_steps=next_version)

@@ -16,6 +16,7 @@ if not torch.cuda.is_available():
 KERNEL_DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 os.environ["PPO_TOKENS_STRICT"] = "1"  # a fast path that falls back is an error (fall_back), here and in subprocesses
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -1729,12 +1730,26 @@ def test_multi_turn_episodes_mask_observations_and_score_like_the_whole_conversa
     # packed scoring reads the same holes
     torch.testing.assert_close(pt.rollout_logprobs(policy, batch, dataclasses.replace(cfg, micro_batch_tokens=999))[0],
                                logprobs, rtol=0, atol=1e-10)
+    # top-k: an observation's kept ids are itself; the rescoring renormalises over the sampler's sets
+    cfg_k, topk = episodes(tokenizer, policy, texts, top_k=5)
+    check_conversation(topk, tokenizer, tokenizer("<=", add_special_tokens=False)["input_ids"], 40)
+    torch.testing.assert_close(pt.rollout_logprobs(policy, topk, cfg_k)[0], topk.behav_logprobs, rtol=0, atol=1e-10)
+    # an empty observation: the next turn follows the stop token directly
+    cfg, quiet = episodes(tokenizer, policy, texts, env=functools.partial(ScriptedEnv, ""))
+    assert torch.equal(quiet.context_mask, quiet.response_mask) and sum(map(len, quiet.episodes["rewards"])) > 6
+    # each row's own budget: it stops there (not ended), and the other rows sample what they would have
+    ids, mask = pt.left_pad(pt.format_prompts(tokenizer, texts, False, 64), tokenizer.pad_token_id, "cpu")
+    args = pt.sampling_args(cfg, tokenizer.pad_token_id, [tokenizer.eos_token_id])
+    full, cut = (pt.generate(policy, ids, mask, **{**args, "max_new_tokens": 30}, budgets=budgets,
+                             generator=torch.Generator().manual_seed(5)) for budgets in (None, torch.tensor([2] * 6)))
+    assert (cut.response_mask.sum(1) <= 2).all() and torch.equal(cut.response[:, :2], full.response[:, :2])
+    assert torch.equal(cut.ended, full.ended & (full.response_mask.sum(1) <= 2))
 
 
 def chat_tokenizer():  # characters plus role and end-of-turn tokens, with a chat template that knows a tool role
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
-    specials = ["<pad>", "<|end|>", "<|user|>", "<|assistant|>", "<|tool|>"]
+    specials = ["<pad>", "<|end|>", "<|user|>", "<|assistant|>", "<|tool|>", "<|eot|>"]
     vocab = {t: i for i, t in enumerate([*specials, *"0123456789+=<>?!\n abc"])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="?"))
     tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
@@ -1759,6 +1774,10 @@ def test_a_tool_observation_goes_through_the_chat_template_as_context():
     first = tokenizer(first, add_special_tokens=False)["input_ids"]
     assert batch.prompt_ids[0, -len(first):].tolist() == first  # the first observation: the chat's user turn
     torch.testing.assert_close(pt.rollout_logprobs(policy, batch, cfg)[0], batch.behav_logprobs, rtol=0, atol=1e-10)
+    # a turn that ended with another stop id (Qwen's <|endoftext|>, Llama 3's <|eom_id|>): the template's end of turn
+    eot = tokenizer.convert_tokens_to_ids("<|eot|>")
+    assert pt.observation_ids(tokenizer, "42", "tool", True, eot) == [
+        tokenizer.eos_token_id, *expected]  # <|end|>, then as after <|end|>
     readme = open(os.path.join(HERE, "README.md"), encoding="utf-8").read()  # the README's tool, as written there
     namespace = {"math": math}
     exec(readme[readme.index("class SqrtTool"):].split("```")[0], namespace)
@@ -1773,12 +1792,22 @@ ENV_RUN = ["--env", "demo", "--batch-size", "16", "--minibatches", "2", "--steps
 
 
 def test_the_multi_turn_demo_runs_and_logs_success_by_turn(tmp_path):
+    answers = {}  # the guessing game: a+b plus a hidden -1, 0 or +1 of the seed; the hint says which side
+    for seed in range(30):
+        env, control = pt.AdditionRetry(), pt.AdditionRetry(hint=False)
+        env.reset("12+30=", seed), control.reset("12+30=", seed)
+        answers[seed] = env.answer
+        assert env.step(str(env.answer), ended=True)[1:3] == (1.0, True)
+        assert env.step(str(env.answer), ended=False)[1] == 0.0  # (without EOS)
+        assert env.step("42")[0] == ("" if env.answer == 42 else "<12+30=" if 42 < env.answer else ">12+30=")
+        assert control.step("7")[0] == "=12+30=" and control.answer == env.answer
+    assert set(answers.values()) == {41, 42, 43}
     out = run_script([*ENV_RUN, "--output-dir", tmp_path / "run", "--demo-cache", tmp_path / "cache"], tmp_path)
     before, *records = read_metrics(tmp_path / "run")
     assert "--response-length 16" in out and "turn1" in out and "second_try" in out
     for r in (before, *records):
         assert 0 <= r["eval_turn1"] <= r["eval_accuracy"] <= 1 and 0 <= r["eval_second_try"] <= 1
-    assert all(1 <= r["turns_mean"] <= 2 and r["env_errors"] == 0 for r in records)
+    assert all(1 < r["turns_mean"] <= 2 and r["env_errors"] == 0 for r in records)  # (an untrained model: misses)
     assert len(records) == 2 and all(math.isfinite(r["pg_loss"]) for r in records)
 
 
@@ -1831,6 +1860,9 @@ def test_bad_environments_get_one_line_and_lose_nothing(tmp_path, capsys):
         "class Down(Flaky):\n    def step(self, action, ended=True):\n        raise ConnectionError('tool down')\n"
         "class NoText(Flaky):\n    def step(self, action, ended=True):\n        return 7, 0.0, False, False, {}\n"
         "class NaN(Flaky):\n    def step(self, action, ended=True):\n        return '', float('nan'), True, False, {}\n"
+        "class Seeds(Flaky):  # records each episode's prompt and seed\n"
+        "    def reset(self, prompt, seed=None):\n"
+        "        open('seeds.txt', 'a').write(f'{prompt} {seed}\\n')\n        return super().reset(prompt, seed)\n"
         "class NoReset(Flaky):\n    def reset(self, prompt, seed=None):\n        return None\n"
         "def broken():\n    raise RuntimeError('no sandbox')\n" % HERE)
     run = [a for a in ENV_RUN if a != "demo"][1:] + ["--demo-cache", tmp_path / "cache"]
@@ -1842,6 +1874,11 @@ def test_bad_environments_get_one_line_and_lose_nothing(tmp_path, capsys):
     assert "the last good checkpoint is none" in proc.stderr
     proc = run_main(["--env", "envs:NoText", *run, "--output-dir", tmp_path / "notext"], tmp_path)
     assert proc.returncode == 1 and "(TypeError: step() returned a int observation, not a str)" in proc.stderr
+    run_script(["--env", "envs:Seeds", *run, "--steps", "1", "--advantage", "grpo", "--samples-per-prompt", "4",
+                "--output-dir", tmp_path / "seeds"], tmp_path)
+    rows = [line.split() for line in (tmp_path / "seeds.txt").read_text().splitlines()][40:56]  # (after 40 held-out)
+    assert sorted(collections.Counter(map(tuple, rows)).values()) == [4] * 4  # a group's 4 rows: one prompt, one seed
+    assert len({seed for _, seed in rows}) == 4
     out = run_script(["--env", "envs:NaN", *run, "--output-dir", tmp_path / "nan"], tmp_path)  # the non-finite guard
     assert out.count("update skipped: non-finite scores in rows [0, 1, 2") == 2
     for env, message in (("nowhere:make", "--env 'nowhere:make': cannot load it (ModuleNotFoundError"),
