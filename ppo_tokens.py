@@ -1403,13 +1403,14 @@ def run_episodes(decoder, envs, texts, seeds, tokenizer, cfg: Config, pool=None,
     prompts = format_prompts(tokenizer, first, cfg.chat_template, cfg.max_prompt_length, cfg.long_prompts)
     chat = cfg.chat_template and getattr(tokenizer, "chat_template", None) is not None
     pieces = [[] for _ in range(B)]  # per row: (ids, policy mask, log-probs, entropies, versions, kept ids) chunks
+    contexts = [list(p) for p in prompts]  # per row: the conversation so far, the next turn's prompt
     used, rewards, ended, errors = [0] * B, [[] for _ in range(B)], [False] * B, [None] * B
     active, device = list(range(B)), sampling["generator"].device
     for turn in range(cfg.max_turns):
         if turn and sampling.get("between_steps"):  # the version the next turn's tokens (and prefill) come from
             sampling["policy_version"] = sampling["between_steps"]()
         budget = [T - used[r] for r in active]
-        ids, mask = left_pad([prompts[r] + [i for p in pieces[r] for i in p[0].tolist()] for r in active], pad, device)
+        ids, mask = left_pad([contexts[r] for r in active], pad, device)
         model = decoder
         if isinstance(decoder, StaticDecoder):  # its batch size: finished rows' places go to one-token copies
             fill = decoder.mask.shape[0] - len(active)
@@ -1419,14 +1420,14 @@ def run_episodes(decoder, envs, texts, seeds, tokenizer, cfg: Config, pool=None,
         out = generate(model, ids, mask, **{**sampling, "max_new_tokens": max(budget),
                                             "budgets": torch.tensor(budget, device=device)})
         actions, facts = [], []
-        for i, r in enumerate(active):
-            n, ended[r] = int(out.response_mask[i].sum()), bool(out.ended[i])
+        for i, (r, turn_ids, n, stop) in enumerate(zip(active, out.response.tolist(), out.response_mask.sum(1).tolist(),
+                                                       out.ended.tolist())):  # (the host reads once a turn)
             kept = None if out.kept_ids is None else out.kept_ids[i, :n]
             pieces[r].append((out.response[i, :n], torch.ones(n, dtype=torch.long, device=device),
                               out.behav_logprobs[i, :n], out.behav_entropy[i, :n], out.policy_version[i, :n], kept))
-            used[r] += n
-            actions.append(tokenizer.decode(out.response[i, :n - ended[r]], skip_special_tokens=True))
-            facts.append({"completion_ids": out.response[i, :n - ended[r]].tolist(), "ended": ended[r]})
+            used[r], ended[r], contexts[r] = used[r] + n, stop, contexts[r] + turn_ids[:n]
+            facts.append({"completion_ids": turn_ids[:n - stop], "ended": stop})
+            actions.append(tokenizer.decode(facts[-1]["completion_ids"], skip_special_tokens=True))
         steps = list(mapper(env_step, [envs[r] for r in active], actions, [cfg.env_latency] * len(active), facts))
         still = []
         for r, (observation, reward, done, role, error) in zip(active, steps):
@@ -1435,19 +1436,19 @@ def run_episodes(decoder, envs, texts, seeds, tokenizer, cfg: Config, pool=None,
             if done or not ended[r] or turn == cfg.max_turns - 1:
                 continue
             try:  # (a template that refuses the role: this row's error)
-                obs = observation_ids(tokenizer, observation, role, chat, int(pieces[r][-1][0][-1]))
+                obs = observation_ids(tokenizer, observation, role, chat, contexts[r][-1])
             except Exception as e:
                 errors[r] = f"the observation: {type(e).__name__}: {str(e)[:200]}"
                 continue
             if used[r] + len(obs) >= T:  # no room for the observation and a token after it: truncated
                 continue
             n, last = len(obs), pieces[r][-1]
+            used[r], contexts[r] = used[r] + n, contexts[r] + obs
             obs = torch.tensor(obs, dtype=torch.long, device=device)  # (its kept ids: itself, -1 padded)
             width = None if last[5] is None else last[5].shape[1]
             kept = None if width is None else torch.cat([obs[:, None], obs.new_full((n, width - 1), -1)], 1)
             zeros = torch.zeros(n, device=device)
             pieces[r].append((obs, zeros.long(), zeros, zeros, last[4][-1:].expand(n), kept))
-            used[r] += n
             still.append(r)
         active = still
         if not active:
@@ -1898,7 +1899,6 @@ def make_batch(t: Training, i: int, stop: threading.Event) -> Rollout:
         prompts = [next(t.order) for _ in range(cfg.batch_size // cfg.samples_per_prompt)]
         # each prompt --samples-per-prompt times, side by side (a group: group_advantages), every rank whole groups
         rows = [p for p in prompts for _ in range(cfg.samples_per_prompt)][t.rank_rows]
-        ids, mask = left_pad([run.prompt_ids[r] for r in rows], run.tokenizer.pad_token_id, run.policy.device)
         args = sampling_args(cfg, run.tokenizer.pad_token_id, run.stop_ids, run.vocab)
 
         def next_version():  # stop promptly when the run stops; the next token's version (inflight: the newest)
@@ -1907,6 +1907,7 @@ def make_batch(t: Training, i: int, stop: threading.Event) -> Rollout:
             return t.sync.pull() if cfg.inflight_updates else version
         texts = [run.prompt_texts[r] for r in rows]
         if run.env is None:
+            ids, mask = left_pad([run.prompt_ids[r] for r in rows], run.tokenizer.pad_token_id, run.policy.device)
             batch = generate(t.decoder, ids, mask, **args, generator=t.sample_generator, policy_version=version,
                              between_steps=next_version)
             batch.completions = decode_completions(run.tokenizer, batch)
@@ -1929,7 +1930,7 @@ def make_batch(t: Training, i: int, stop: threading.Event) -> Rollout:
         batch.sampler_rng = t.sample_generator.get_state()  # the state after this batch, for a checkpoint
     with t.tracer.span("score: reference, reward", "sampler"):
         score_frozen(batch, run.reference, run.reward_fn, cfg)
-        if ids.device.type == "cuda":
+        if run.policy.device.type == "cuda":
             torch.cuda.current_stream().synchronize()  # the batch is complete before the trainer's stream reads it
     return batch
 
