@@ -1065,6 +1065,7 @@ def test_demo_learns_a_little_in_a_few_iterations(tmp_path):
     does the held-out accuracy. The reward starts near 0.86 (1,000 warm-up steps) and its last 8 batches' mean rose
     0.05 over the first 8's here; that difference has a noise of ~0.01, so the test asks for 0.02 (a policy that
     learns nothing passes ~2% of the time, and then must raise the accuracy too)."""
+    torch.set_num_threads(2)  # not the suite's one (see the top): 1.2x faster, in the slow tier's longest test
     out = run_script(["--steps", "24", "--eval-every", "12", "--eval-size", "500", "--sample-every", "0", "--device",
                       "cpu", "--output-dir", str(tmp_path / "run"), "--demo-cache", str(tmp_path / "cache")], tmp_path)
     before, *records = read_metrics(tmp_path / "run")  # step 0: the held-out accuracy before PPO
