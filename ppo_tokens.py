@@ -1513,7 +1513,8 @@ def demo_warmup(policy, tokenizer, train_pairs, cfg: Config):
     at an accuracy threshold moved with rounding, as does the loss's drop (CPU: 300-500 steps, H200: 500+). Cached."""
     retry = cfg.env in ENVIRONMENTS  # the multi-turn demo: every other row a second try after a miss (its format)
     key = json.dumps([policy.config.to_json_string(), sorted(tokenizer.get_vocab().items()), cfg.seed,
-                      cfg.demo_warmup_lr, cfg.demo_warmup_steps, "v4", *([cfg.env] if retry else [])])
+                      cfg.demo_warmup_lr, cfg.demo_warmup_steps, inspect.getsource(demo_warmup),  # (an edit: anew)
+                      *([cfg.env] if retry else [])])
     name = f"demo-warmup-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
     path = os.path.join(os.path.expanduser(cfg.demo_cache), name)
     if os.path.exists(path):

@@ -1075,6 +1075,22 @@ def test_demo_learns_a_little_in_a_few_iterations(tmp_path):
     assert "warm-up:" in out and "held-out sampled accuracy" in out
 
 
+def test_an_edited_warm_up_is_not_loaded_from_the_cache_of_the_old_one(tmp_path, capsys, monkeypatch):
+    """The warm-up's cache key holds demo_warmup's source: a researcher's edit warms up anew, never loads stale
+    weights."""
+    cfg = pt.Config(device="cpu", demo_warmup_steps=2, demo_cache=str(tmp_path))
+    tokenizer, pairs = pt.build_demo_tokenizer(), [(a, b) for a in range(20) for b in range(20)]
+
+    def warm_up():
+        pt.demo_warmup(pt.build_demo_policy(tokenizer, 1, 32, 1), tokenizer, pairs, cfg)
+        return capsys.readouterr().out
+
+    assert "loaded" not in warm_up() and "loaded" in warm_up()
+    source = pt.inspect.getsource(pt.demo_warmup)
+    monkeypatch.setattr(pt.inspect, "getsource", lambda f: source + "# an edit\n")
+    assert "loaded" not in warm_up() and "loaded" in warm_up() and len(os.listdir(tmp_path)) == 2
+
+
 def test_demo_entry_point_with_a_reward_model_directory(tmp_path, tokenizer):
     """The demo policy with a learned reward model saved as an AutoModelForSequenceClassification directory."""
     from transformers import LlamaConfig, LlamaForSequenceClassification
