@@ -1828,6 +1828,25 @@ def test_the_multi_turn_demo_runs_and_logs_success_by_turn(tmp_path):
     assert len(records) == 2 and all(math.isfinite(r["pg_loss"]) for r in records)
 
 
+def test_multi_turn_tokens_carry_the_version_each_was_sampled_with():
+    """In-flight updates (a new version between any two decode steps, and before each turn's prefill): every policy
+    token of every turn has its own version, growing along the conversation; an observation is never in the loss."""
+    tokenizer = pt.build_demo_tokenizer(hints=True)
+    policy, texts, calls = tiny_llama(len(tokenizer), seed=3, max_position_embeddings=256), ["1+2=", "37+45="], [0]
+
+    def next_version():  # as make_batch's under --inflight-updates: the newest version each time
+        calls[0] += 1
+        return calls[0]
+    cfg = pt.Config(response_length=40, max_turns=3, temperature=1.0, chat_template=False)
+    args = pt.sampling_args(cfg, tokenizer.pad_token_id, [tokenizer.eos_token_id], vocab=len(tokenizer))
+    batch = pt.run_episodes(policy, [ScriptedEnv() for _ in texts], texts, [0, 1], tokenizer, cfg, None, **args,
+                            generator=torch.Generator().manual_seed(0), policy_version=0, between_steps=next_version)
+    for r in range(len(texts)):
+        versions = batch.policy_version[r][batch.response_mask[r].bool()]
+        assert versions[0] == 0 and (versions.diff() > 0).all() and versions[-1] <= calls[0]
+    assert max(map(len, batch.episodes["rewards"])) > 1  # (a second turn: its versions follow the first's)
+
+
 def test_multi_turn_staleness_one_with_inflight_updates_tags_every_turns_tokens(tmp_path):
     run_script([*ENV_RUN, "--max-staleness", "1", "--inflight-updates", "--steps", "3",
                 "--output-dir", tmp_path / "run", "--demo-cache", tmp_path / "cache"], tmp_path)
