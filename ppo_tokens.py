@@ -1416,7 +1416,10 @@ def run_episodes(decoder, envs, texts, seeds, tokenizer, cfg: Config, pool=None,
             fill = decoder.mask.shape[0] - len(active)
             ids, mask = (torch.cat([x, x[:1].expand(fill, -1)]) for x in (ids, mask))
             budget += [1] * fill
-            model = decoder if ids.shape[1] + max(budget) <= decoder.max_len else PlainDecoder(decoder.model)
+            if ids.shape[1] + max(budget) > decoder.max_len:  # (only a reset() longer than every prompt)
+                fall_back(f"--env: a turn of {ids.shape[1]} + {max(budget)} tokens exceeds the static cache's "
+                          f"{decoder.max_len} columns; it samples with the plain loop")
+                model = PlainDecoder(decoder.model)
         out = generate(model, ids, mask, **{**sampling, "max_new_tokens": max(budget),
                                             "budgets": torch.tensor(budget, device=device)})
         actions, facts = [], []

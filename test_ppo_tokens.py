@@ -1738,6 +1738,9 @@ def test_multi_turn_episodes_mask_observations_and_score_like_the_whole_conversa
     fast = episodes(tokenizer, decoder, texts)[1]
     check_conversation(fast, tokenizer, tokenizer("<=", add_special_tokens=False)["input_ids"], 40)
     torch.testing.assert_close(pt.rollout_logprobs(policy, fast, cfg)[0], fast.behav_logprobs, rtol=0, atol=1e-10)
+    short = pt.fast_decoder(policy, len(texts), 20, pt.PlainDecoder)  # a turn that does not fit: one line, not silence
+    with pytest.raises(RuntimeError, match="PPO_TOKENS_STRICT=1: --env: a turn of 7 \\+ 40 tokens exceeds the static"):
+        episodes(tokenizer, short, texts)
     # two turns that every row reaches (120 tokens: EOS comes first): both decoders sample the same conversation
     plain, fast = (episodes(tokenizer, sampler, texts, T=120, max_turns=2)[1] for sampler in (policy, decoder))
     assert int(plain.context_mask.sum()) > int(plain.response_mask.sum()) > 0
