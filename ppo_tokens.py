@@ -214,6 +214,7 @@ class Rollout:
     returns: torch.Tensor = None  # (B, T) the critic's targets (estimators with a critic only)
     is_weight: torch.Tensor = None  # (B, T) decoupled-PPO importance weight of each token (exactly 1 when fresh)
     loss_mask: torch.Tensor = None  # (B, T) response_mask minus the tokens too old and the flat groups dropped
+    first_forward: tuple = None  # scoring's (logprobs, entropy, values) of the first minibatch, graphs kept: its update
     pg_mask: torch.Tensor = None  # (B, T) bool: the loss tokens that get the policy gradient (--pg-mask: PG_MASKS)
     loss_rows: torch.Tensor = None  # (B, T) bool: response_mask in the rows with a loss token (the logged statistics')
     correction: dict = None  # staleness / importance-weight statistics of this batch, for the log
@@ -568,7 +569,9 @@ PG_MASKS = {"all": all_loss_tokens, "top-entropy": top_entropy_tokens}
 def score_trainer(batch: Rollout, policy, critic, cfg: Config, row_order=None, version=None):
     """Scoring with the current weights: proximal ("old") log-probs and values in the first epoch's micro-batches
     (row_order), so that its ratio is bit-exactly 1; then rewards, ADVANTAGES, PG_MASKS and the staleness correction.
-    version: the trainer's policy version (None: all tokens fresh). Returns the per-token KL."""
+    The first minibatch's forwards, when it is one micro-batch, keep their graphs: its update step reuses them (one
+    forward fewer of each model; both models' activations are held at once until then). version: the trainer's
+    policy version (None: all tokens fresh). Returns the per-token KL."""
     n = cfg.samples_per_prompt
     flat = flat_groups(batch.scores, n) if n > 1 else torch.zeros_like(batch.ended)  # (B,) groups without signal
     mask = batch.response_mask.bool()
@@ -583,15 +586,18 @@ def score_trainer(batch: Rollout, policy, critic, cfg: Config, row_order=None, v
     batch.values = torch.zeros_like(batch.behav_logprobs, dtype=torch.float32)  # the critic's output is fp32
     if critic is not None or not cfg.sampler_logprobs:
         row_order = torch.arange(len(batch.response)) if row_order is None else row_order
-        first_epoch = update_minibatches(batch, cfg, [row_order])
-        for rows in itertools.chain(*micro_batch_rows(batch, first_epoch, cfg, ranks_agree=True)):
-            mb = batch.rows(rows)
+        micro = micro_batch_rows(batch, update_minibatches(batch, cfg, [row_order]), cfg, ranks_agree=True)
+        for k, rows in enumerate(itertools.chain(*micro)):
+            mb, keep = batch.rows(rows), k == 0 and len(micro[0]) == 1
             inputs = model_inputs(mb, cfg)  # packed once for both models
-            with autocast(cfg, batch.response.device):
-                if not cfg.sampler_logprobs:
-                    batch.old_logprobs[rows], batch.entropy[rows] = rollout_logprobs(policy, mb, cfg, inputs)
-                if critic is not None:
-                    batch.values[rows] = critic_values(critic, mb, inputs)
+            with torch.set_grad_enabled(keep), autocast(cfg, batch.response.device):
+                logprobs, entropy = (None, None) if cfg.sampler_logprobs else rollout_logprobs(policy, mb, cfg, inputs)
+                values = None if critic is None else critic_values(critic, mb, inputs)
+            batch.first_forward = (logprobs, entropy, values) if keep else batch.first_forward
+            if logprobs is not None:
+                batch.old_logprobs[rows], batch.entropy[rows] = logprobs.detach(), entropy.detach()
+            if values is not None:
+                batch.values[rows] = values.detach()
     if cfg.whiten_scores:  # here, not in the producer: under torchrun it is a collective, which only this thread runs
         batch.scores = masked_whiten(batch.scores, torch.ones_like(batch.scores))
     kl = kl_estimate(batch.old_logprobs, batch.ref_logprobs, cfg.kl_estimator)
@@ -751,7 +757,8 @@ def ppo_update(policy, critic, policy_opt, critic_opt, batch: Rollout, cfg: Conf
             with gradient_sync(models, enabled=j == len(micro_rows) - 1):
                 token_weight = None if row_weight is None else row_weight[rows][:, None]  # (b, 1)
                 share = Share(tokens[i], denominators[i], token_weight)
-                step_stats = micro_step(policy, critic, batch.rows(rows), cfg, share)
+                first, batch.first_forward = (batch.first_forward, None) if i == j == 0 else (None, None)
+                step_stats = micro_step(policy, critic, batch.rows(rows), cfg, share, first)
             ratio_max_dev = step_stats.pop("ratio_max_dev")
             if n_steps == 0:  # the first minibatch: the weights are the ones scoring used, so this is 0 (see below)
                 first_ratio_max_dev = torch.maximum(first_ratio_max_dev, ratio_max_dev)
@@ -804,11 +811,13 @@ def skip_loss_free_rows(cfg: Config) -> bool:
     return not ADVANTAGES[cfg.advantage].critic and cfg.kl_in == "loss" and not lockstep
 
 
-def micro_step(policy, critic, mb: Rollout, cfg: Config, share: Share) -> dict:
-    """One micro-batch's forward and backward: policy_objective - entropy bonus (+ kl_coef * KL), and value_loss."""
-    inputs = model_inputs(mb, cfg)  # packed once for both models
+def micro_step(policy, critic, mb: Rollout, cfg: Config, share: Share, first=None) -> dict:
+    """One micro-batch's forward and backward: policy_objective - entropy bonus (+ kl_coef * KL), and value_loss.
+    first: scoring's (logprobs, entropy, values) of these rows, with their graphs: those forwards are not rerun."""
+    logprobs, entropy, values = first or (None, None, None)
+    inputs = model_inputs(mb, cfg) if logprobs is None or (critic is not None and values is None) else None
     with autocast(cfg, mb.response.device):
-        logprobs, entropy = rollout_logprobs(policy, mb, cfg, inputs)
+        logprobs, entropy = (logprobs, entropy) if logprobs is not None else rollout_logprobs(policy, mb, cfg, inputs)
     pg_loss, pg_stats = policy_objective(logprobs, mb, cfg, share)
     stats = {"pg_loss": pg_loss, "entropy": masked_mean(entropy, mb.loss_mask, share.tokens), **pg_stats}
     objective = pg_loss - cfg.entropy_coef * aggregate(entropy, mb.loss_mask, share)
@@ -820,7 +829,7 @@ def micro_step(policy, critic, mb: Rollout, cfg: Config, share: Share) -> dict:
     objective.backward()
     if critic is not None:
         with autocast(cfg, mb.response.device):
-            values = critic_values(critic, mb, inputs)
+            values = values if values is not None else critic_values(critic, mb, inputs)
         stats["vf_loss"], vf_stats = value_loss(values, mb.values, mb.returns, mb.loss_mask, cfg.value_clip_range,
                                                 share)
         stats["vf_loss"].backward()

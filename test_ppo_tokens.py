@@ -799,6 +799,31 @@ def sgd_update(tokenizer, prepare=None, edit_batch=None, **cfg_overrides):  # on
     return stats, *([p.detach() - b for p, b in zip(m.parameters(), old)] for m, old in zip((policy, critic), before))
 
 
+def test_the_first_minibatch_steps_on_scorings_forward_and_gets_the_recomputed_update(tokenizer):
+    """Scoring keeps the first minibatch's graphs (policy and critic), so its update step runs no forward of its own;
+    the weights equal those of an update that reruns that forward, to the bit. Split into micro-batches (memory),
+    nothing is kept."""
+    weights = []
+    for reuse, micro in ((True, 0), (False, 0), (False, 2)):
+        cfg, policy, reference, critic, batch = tiny_setup(tokenizer, ppo_epochs=2, minibatches=2,
+                                                           micro_batch_size=micro)
+        grads = []  # per forward of the policy or the critic: whether it builds a graph
+        for backbone in (pt.backbone_of(policy), critic.backbone):
+            backbone.register_forward_pre_hook(lambda *a: grads.append(torch.is_grad_enabled()))
+        orders = [torch.randperm(8, generator=torch.Generator().manual_seed(0)) for _ in range(2)]
+        score(batch, policy, reference, critic, lambda b: torch.arange(8.0), cfg, orders[0])
+        assert grads == ([True, True, False, False] if not micro else [False] * 8)
+        batch.first_forward = batch.first_forward if reuse else None
+        grads.clear()
+        pt.ppo_update(policy, critic, *[torch.optim.SGD(m.parameters(), lr=1.0) for m in (policy, critic)], batch,
+                      cfg, orders)
+        assert len(grads) == (6 if reuse else 8 if not micro else 16) and all(grads)  # 2 epochs x 2 minibatches
+        weights.append([p.detach().clone() for m in (policy, critic) for p in m.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(weights[0], weights[1]))
+    for a, b in zip(weights[0], weights[2]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
 def test_micro_batch_accumulation_gives_the_minibatch_gradient(tokenizer):
     no_clip = dict(ppo_epochs=1, minibatches=1, max_grad_norm=1e9)  # (a clipped step would hide a uniform scale error)
     _, whole, whole_critic = sgd_update(tokenizer, **no_clip)
@@ -858,7 +883,7 @@ def test_rows_without_a_loss_token_skip_the_update_and_change_nothing(tokenizer)
     assert batch.correction["zero_std_groups"] == 1 and not batch.loss_rows[4:].any()
     assert batch.loss_rows[:4].equal(batch.response_mask[:4].bool()) and not kl[4:].any()  # the sampler's values
     pt.ppo_update(policy, None, torch.optim.SGD(policy.parameters(), lr=1.0), None, batch, cfg, [torch.arange(8)])
-    assert seen == [4, 4, 4]  # the reference, the scoring pass, the update: only the rows with loss tokens
+    assert seen == [4, 4]  # the reference, the scoring pass (its graph the update's): only the rows with loss tokens
     pt.ppo_update(copy, None, torch.optim.SGD(copy.parameters(), lr=1.0), None, batch.rows(first_group), cfg,
                   [first_group])  # the same step from a batch that never held the flat group
     for a, b in zip(policy.parameters(), copy.parameters()):
@@ -867,7 +892,7 @@ def test_rows_without_a_loss_token_skip_the_update_and_change_nothing(tokenizer)
     seen.clear()
     score(batch, policy, reference, None, lambda b: torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0]), cfg)
     pt.ppo_update(policy, None, torch.optim.SGD(policy.parameters(), lr=1.0), None, batch, cfg, [torch.arange(8)])
-    assert seen == [8, 8, 8]
+    assert seen == [8, 8]
 
 
 def test_gradient_clipping_bounds_each_step(tokenizer):
@@ -966,7 +991,7 @@ def test_gradient_checkpointing_and_bf16_autocast_keep_the_update(tokenizer):
         mlp.forward = recorded
 
     _, checkpointed, _ = sgd_update(tokenizer, prepare=checkpoint, ppo_epochs=1, minibatches=1)
-    assert calls == [False, True, True]  # scoring, the training forward, its recomputation in the backward
+    assert calls == [True, True]  # scoring (its graph the first minibatch's update's), the backward's recomputation
     for a, b in zip(plain, checkpointed):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
     stats, bf16, _ = sgd_update(tokenizer, bf16=True, ppo_epochs=1, minibatches=1)
@@ -1259,7 +1284,8 @@ def test_staleness_zero_with_the_thread_equals_the_synchronous_loop(tmp_path, mo
                                        ["--advantage", "grpo", "--samples-per-prompt", "4", "--no-drop-flat-groups"]])
 def test_sampler_logprobs_run_one_policy_forward_fewer_per_micro_batch_of_scoring(tmp_path, advantage):
     """--trace's timeline (iterations 2 and 3) counts the log-prob forwards: the reference's, scoring's (one per
-    micro-batch of the first epoch: --minibatches 2 here), the update's; --sampler-logprobs drops scoring's."""
+    micro-batch of the first epoch: --minibatches 2 here), the update's but the first minibatch's (it has scoring's
+    graph); --sampler-logprobs drops scoring's, and the update then runs its first minibatch's: one fewer."""
     base = ["--steps", "4", "--batch-size", "16", "--minibatches", "2", "--demo-warmup-steps", "0", "--eval-every",
             "100", "--eval-size", "40", "--sample-every", "0", "--demo-hidden", "32", "--demo-layers", "1", "--device",
             "cpu", "--demo-cache", str(tmp_path / "cache"), "--reward", "count_ones:score", *advantage]
@@ -1275,7 +1301,7 @@ def test_sampler_logprobs_run_one_policy_forward_fewer_per_micro_batch_of_scorin
         forwards.append((len(spans) / 2, len(in_scoring) / 2))  # per iteration: all, and scoring's
         records = [r for r in read_metrics(out) if r["step"] > 0]
         assert all(("behav_prox_kl" in r) and r["first_ratio_max_dev"] < 1e-5 for r in records)
-    assert forwards[0][0] - forwards[1][0] == 2 and (forwards[0][1], forwards[1][1]) == (2, 0), forwards
+    assert forwards[0][0] - forwards[1][0] == 1 and (forwards[0][1], forwards[1][1]) == (2, 0), forwards
 
 
 def test_staleness_one_keeps_every_token_within_bounds(tmp_path):
