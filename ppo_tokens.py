@@ -78,7 +78,8 @@ class Config:
     micro_batch_size: int = arg(0, "rows per forward/backward, gradients accumulate; 0 = the whole minibatch")
     micro_batch_tokens: int = arg(0, "instead: packed micro-batches of at most this many real tokens; 0 = padded rows")
     gradient_checkpointing: bool = arg(False, "recompute each decoder layer's activations in the backward")
-    bf16: bool = arg(False, "bf16 autocast over the fp32 master weights; the log-prob and value heads stay fp32")
+    bf16: bool = arg(None, "bf16 autocast over the fp32 master weights; the log-prob and value heads stay fp32; "
+                           "default: on with --model where the device has bf16 matmuls (as TRL), off for the demo")
     lr: float = arg(0.0, "policy learning rate (AdamW); 0 = demo: 5e-4, 3e-4 critic-free; --model: 1e-6")
     critic_lr: float = arg(0.0, "critic learning rate (AdamW); 0 = demo: 1e-3; --model: 1e-5")
     lr_decay: bool = arg(True, "decay both learning rates linearly to 0 over --steps")
@@ -137,7 +138,7 @@ class Config:
     # run
     seed: int = arg(1, "seeds model init, sampling, data order and minibatch shuffling")
     device: str = arg("auto", "'auto' (cuda if available), 'cpu', 'cuda' or 'cuda:N'")
-    dtype: str = arg("auto", "frozen models' dtype (reference, reward model); auto: bfloat16 on CUDA, else float32")
+    dtype: str = arg("auto", "frozen models' dtype (reference, reward model); auto: bfloat16 on CUDA or under --bf16")
     tf32: bool = arg(True, "CUDA: float32 matmuls in TF32 (fp32 sums, several times faster); off = IEEE float32")
     output_dir: str = arg("", "where config.json, metrics.jsonl and policy/ go; empty = runs/<date-time>")
     wandb_project: str = arg("", "log to this Weights & Biases project (off when empty; wandb imported only then)")
@@ -150,14 +151,17 @@ class Config:
         cuda = self.device.startswith("cuda") or (self.device == "auto" and torch.cuda.is_available())
         if self.model:  # a real model: verl's and OpenRLHF's learning rates and one pass; a demo's would wreck it
             defaults = dict(steps=1000, batch_size=16 * n if groups else 64, response_length=256, ppo_epochs=1,
-                            lr=1e-6, critic_lr=1e-5, temperature=1.0)
+                            lr=1e-6, critic_lr=1e-5, temperature=1.0, bf16=native_bf16(cuda))
         else:  # the demo; critic-free: one pass (GRPO's mu = 1), 64 prompts x a group
             defaults = dict(steps=300 if critic else 800, batch_size=64 * n if groups else 256,
                             response_length=12 * self.max_turns - 8 if self.env else 4,
                             ppo_epochs=2 if critic else 1, lr=5e-4 if critic else 3e-4, critic_lr=1e-3,
-                            temperature=0.7)  # (at 1 the end varied 0.78-0.92 with each machine's rounding)
-        # the frozen models in bf16 on CUDA (memory), the KL where the estimator puts it, flat groups out of the loss
-        defaults.update(dtype="bfloat16" if cuda else "float32", kl_in=estimator.kl_in, drop_flat_groups=groups)
+                            temperature=0.7, bf16=False)  # (T 1: the end varied 0.78-0.92 with each machine)
+        bf16 = defaults["bf16"] if self.bf16 is None else self.bf16
+        # the frozen models in bf16 on CUDA (memory) or under --bf16, the KL where the estimator puts it, flat groups
+        # out of the loss
+        defaults.update(dtype="bfloat16" if cuda or bf16 else "float32", kl_in=estimator.kl_in,
+                        drop_flat_groups=groups)
         unset = [k for k in defaults if getattr(self, k) is not False and getattr(self, k) in UNSET]
         self.resolved = {k: defaults[k] for k in unset}
         if not self.kl_estimator:  # k1 in the reward; in the loss k3 (k1's expected gradient there is 0)
@@ -170,6 +174,12 @@ class Config:
             long_run = self.steps * self.batch_size * self.response_length >= 500_000 and not self.env
             self.resolved["compile_sampler"] = not cuda and self.static_cache and long_run and compiler
             self.compile_sampler = self.resolved["compile_sampler"]
+
+
+def native_bf16(cuda: bool) -> bool:  # bf16 matmuls in hardware (Ampere+; CPUs with AVX512-BF16 or AMX): faster
+    if cuda:
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
 UNSET = (0, "auto", "", None)  # a flag's values that mean "the default that fits the run" (Config.__post_init__)

@@ -1148,8 +1148,8 @@ def test_model_directory_prompts_file_and_reward_function(tmp_path, tokenizer):
         "    assert all('=' not in p for p in prompts)  # raw prompts, before the chat template\n"
         "    return [float(len(c)) for c in completions]\n")
     out = run_script([*TINY, "--model", str(tmp_path / "policy_in"), "--prompts", str(tmp_path / "prompts.jsonl"),
-                      "--reward", "my_rewards:score", "--response-length", "5", "--output-dir", str(tmp_path / "run")],
-                     tmp_path)
+                      "--reward", "my_rewards:score", "--response-length", "5", "--no-bf16",  # (fp32: the check below)
+                      "--output-dir", str(tmp_path / "run")], tmp_path)
     assert "zero-initialised head" in out
     assert "defaults: --ppo-epochs 1, --lr 1e-06, --critic-lr 1e-05, --temperature 1.0, --dtype float32" in out
     records = check_outputs(tmp_path / "run", 3)
@@ -2353,19 +2353,25 @@ def test_critic_free_runs_have_their_own_demo_defaults_and_a_flag_given_wins():
     assert not given.drop_flat_groups  # a flag given wins
 
 
-def test_a_real_model_gets_real_model_defaults_and_the_log_lists_every_resolved_value():
+def test_a_real_model_gets_real_model_defaults_and_the_log_lists_every_resolved_value(monkeypatch):
     """The demo's learning rates (5e-4 / 1e-3) would wreck a real model within a few updates; --model's defaults are
-    the README's, and Config.resolved (which main prints) names every value a default resolved to."""
+    the README's, and Config.resolved (which main prints) names every value a default resolved to. --bf16 is on with
+    --model where the device has bf16 matmuls, and then the frozen models are bf16 too; never for the demo."""
+    monkeypatch.setattr(pt, "native_bf16", lambda cuda: False)
     real, grouped = pt.Config(model="m", device="cpu"), pt.Config(model="m", advantage="grpo", samples_per_prompt=8)
     assert (real.lr, real.critic_lr, real.steps, real.batch_size, real.response_length, real.ppo_epochs) == \
         (1e-6, 1e-5, 1000, 64, 256, 1)
     assert (grouped.lr, grouped.batch_size, grouped.ppo_epochs, grouped.kl_in, grouped.kl_estimator) == \
         (1e-6, 128, 1, "loss", "k3")
-    assert real.dtype == "float32" and real.resolved["dtype"] == "float32"  # auto: bfloat16 on CUDA only
+    assert real.dtype == "float32" and real.resolved["dtype"] == "float32"  # auto: bfloat16 on CUDA or under --bf16
     assert real.resolved.pop("compile_sampler") == (shutil.which("g++") is not None)  # 16M sampled tokens on a CPU
     assert real.resolved == {"steps": 1000, "batch_size": 64, "response_length": 256, "ppo_epochs": 1, "lr": 1e-6,
-                             "critic_lr": 1e-5, "temperature": 1.0, "dtype": "float32", "kl_in": "reward",
-                             "drop_flat_groups": False, "kl_estimator": "k1"}
+                             "critic_lr": 1e-5, "temperature": 1.0, "bf16": False, "dtype": "float32",
+                             "kl_in": "reward", "drop_flat_groups": False, "kl_estimator": "k1"}
+    monkeypatch.setattr(pt, "native_bf16", lambda cuda: True)
+    bf16 = pt.Config(model="m", device="cpu")
+    assert bf16.resolved["bf16"] and bf16.resolved["dtype"] == "bfloat16"
+    assert pt.Config(model="m", bf16=False).dtype == "float32" and not pt.Config().bf16  # (the demo)
     given = pt.Config(model="m", lr=3e-6, dtype="bfloat16", drop_flat_groups=False)
     assert given.lr == 3e-6 and given.dtype == "bfloat16"  # a flag given wins, and is not listed
     assert not {"lr", "dtype", "drop_flat_groups"} & given.resolved.keys()
@@ -2805,6 +2811,13 @@ def cuda_records(output_dir, steps, ratio_tol=1e-3):
         # the bf16 sampler against the fp32 trainer, on the same weights (a stale token differs by the update too)
         assert r["behav_prox_max_diff"] < 0.5 or r["staleness_max"] > 0
     return records
+
+
+@cuda
+def test_cuda_real_model_runs_default_to_bf16_where_the_gpu_has_bf16_matmuls():
+    has = torch.cuda.is_bf16_supported()
+    assert pt.native_bf16(True) == has and pt.Config(model="m", device="cuda").bf16 == has
+    assert pt.Config(model="m", device="cuda").dtype == "bfloat16" and not pt.Config(device="cuda").bf16  # (demo)
 
 
 @cuda
