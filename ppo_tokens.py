@@ -158,7 +158,7 @@ class Config:
                             ppo_epochs=2 if critic else 1, lr=5e-4 if critic else 3e-4, critic_lr=1e-3,
                             temperature=0.7, bf16=False)  # (T 1: the end varied 0.78-0.92 with each machine)
         bf16 = defaults["bf16"] if self.bf16 is None else self.bf16
-        # the frozen models in bf16 on CUDA (memory) or under --bf16, the KL where the estimator puts it, flat groups
+        # the frozen models in bf16 on CUDA (memory) or under --bf16; the KL where its estimator puts it; flat groups
         # out of the loss
         defaults.update(dtype="bfloat16" if cuda or bf16 else "float32", kl_in=estimator.kl_in,
                         drop_flat_groups=groups)
@@ -824,10 +824,11 @@ def skip_loss_free_rows(cfg: Config) -> bool:
 def micro_step(policy, critic, mb: Rollout, cfg: Config, share: Share, first=None) -> dict:
     """One micro-batch's forward and backward: policy_objective - entropy bonus (+ kl_coef * KL), and value_loss.
     first: scoring's (logprobs, entropy, values) of these rows, with their graphs: those forwards are not rerun."""
-    logprobs, entropy, values = first or (None, None, None)
-    inputs = model_inputs(mb, cfg) if logprobs is None or (critic is not None and values is None) else None
-    with autocast(cfg, mb.response.device):
-        logprobs, entropy = (logprobs, entropy) if logprobs is not None else rollout_logprobs(policy, mb, cfg, inputs)
+    logprobs, entropy, values = first or (None, None, None)  # (with log-probs scoring also kept any critic's values)
+    if logprobs is None:
+        inputs = model_inputs(mb, cfg)  # packed once for both models
+        with autocast(cfg, mb.response.device):
+            logprobs, entropy = rollout_logprobs(policy, mb, cfg, inputs)
     pg_loss, pg_stats = policy_objective(logprobs, mb, cfg, share)
     stats = {"pg_loss": pg_loss, "entropy": masked_mean(entropy, mb.loss_mask, share.tokens), **pg_stats}
     objective = pg_loss - cfg.entropy_coef * aggregate(entropy, mb.loss_mask, share)
@@ -838,8 +839,9 @@ def micro_step(policy, critic, mb: Rollout, cfg: Config, share: Share, first=Non
         objective = objective + cfg.kl_coef * stats["kl_loss"]
     objective.backward()
     if critic is not None:
-        with autocast(cfg, mb.response.device):
-            values = values if values is not None else critic_values(critic, mb, inputs)
+        if values is None:
+            with autocast(cfg, mb.response.device):
+                values = critic_values(critic, mb, inputs)
         stats["vf_loss"], vf_stats = value_loss(values, mb.values, mb.returns, mb.loss_mask, cfg.value_clip_range,
                                                 share)
         stats["vf_loss"].backward()
