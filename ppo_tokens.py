@@ -603,7 +603,8 @@ def score_trainer(batch: Rollout, policy, critic, cfg: Config, row_order=None, v
             with torch.set_grad_enabled(keep), autocast(cfg, batch.response.device):
                 logprobs, entropy = (None, None) if cfg.sampler_logprobs else rollout_logprobs(policy, mb, cfg, inputs)
                 values = None if critic is None else critic_values(critic, mb, inputs)
-            batch.first_forward = (logprobs, entropy, values) if keep else batch.first_forward
+            if keep:
+                batch.first_forward = (logprobs, entropy, values)
             if logprobs is not None:
                 batch.old_logprobs[rows], batch.entropy[rows] = logprobs.detach(), entropy.detach()
             if values is not None:
