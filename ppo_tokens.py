@@ -241,8 +241,7 @@ def positions(mask):  # (B, L) -> (B, L): position ids that count real tokens on
 def truncate_logits(scaled_logits, top_k: int, top_p: float):
     """(B, V) -> (filtered logits, kept ids (B, K), -1 where dropped): the trainer renormalises over the same set.
     Top-p sees the top --top-k ids only (64 when --top-k is 0), so that the set has a fixed width."""
-    V = scaled_logits.shape[-1]
-    values, ids = scaled_logits.topk(min(top_k or 64, V), dim=-1)  # (B, K) sorted, largest first
+    values, ids = scaled_logits.topk(min(top_k or 64, scaled_logits.shape[-1]), dim=-1)  # (B, K) sorted, largest first
     if top_p < 1.0:  # as HF: top-k first, then top-p over the renormalised top-k distribution
         probs = torch.softmax(values, -1) if top_k else torch.softmax(scaled_logits, -1).gather(-1, ids)  # (B, K)
         drop = probs.cumsum(-1) - probs >= top_p  # keep the smallest prefix whose mass reaches top_p
@@ -269,7 +268,7 @@ class PlainDecoder:
     def start(self, prompt_ids, prompt_mask, position_ids):  # (B, P) each -> (B, V) logits of the first response token
         self.mask = prompt_mask  # (B, L)
         self.position = position_ids[:, -1:]
-        self.cache = {"use_cache": True}
+        self.cache = {"use_cache": True, **self.keep}
         return self._forward(prompt_ids, position_ids)
 
     def step(self, token):  # token (B,) -> (B, V) logits of the next one
@@ -278,8 +277,7 @@ class PlainDecoder:
         return self._forward(token[:, None], self.position)
 
     def _forward(self, input_ids, position_ids):
-        out = self.model(input_ids=input_ids, attention_mask=self.mask, position_ids=position_ids, **self.cache,
-                         **self.keep)
+        out = self.model(input_ids=input_ids, attention_mask=self.mask, position_ids=position_ids, **self.cache)
         self.cache[self.cache_kwarg] = out.cache if self.cache_kwarg == "cache" else out.past_key_values
         return out.logits[:, -1]
 
@@ -1256,12 +1254,11 @@ def load_env(spec: str):  # -> the factory, checked once: it makes an environmen
 
 def format_prompts(tokenizer, texts, use_chat_template: bool, max_prompt_length: int, long_prompts="truncate"):
     """Token ids per prompt, in the chat template if any; long ones keep their last tokens (the question), or fail."""
-    if use_chat_template and getattr(tokenizer, "chat_template", None):
+    chat = use_chat_template and getattr(tokenizer, "chat_template", None)
+    if chat:  # (the template writes the special tokens)
         texts = [tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
                                                add_generation_prompt=True) for t in texts]
-        ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
-    else:
-        ids = tokenizer(texts)["input_ids"]
+    ids = tokenizer(texts, add_special_tokens=not chat)["input_ids"]
     empty = [i for i, x in enumerate(ids) if not x]
     if empty:  # (a tokenizer without BOS, e.g. Qwen's or GPT-2's, and no chat template)
         raise SystemExit(f"{len(empty)} of {len(ids)} prompts are no tokens to the tokenizer (the first is prompt "
@@ -1722,7 +1719,6 @@ class Producer:
 
     def __init__(self, t):  # t: train()'s Training
         self.t = t
-        self.tracer = t.tracer
         self.queue = queue.Queue(maxsize=max(1, t.cfg.max_staleness))
         self.stop = threading.Event()
         self.next_index = t.start
@@ -1735,25 +1731,24 @@ class Producer:
         if t.threaded and self.stream is None:  # CPU: the sampler thread takes one core, the trainer the others
             torch.set_num_threads(max(1, self.threads - 1))
         if t.threaded:
-            self.thread = threading.Thread(target=self._run, args=(t.start, t.cfg.steps), daemon=True,
-                                           name="ppo_tokens-sampler")
+            self.thread = threading.Thread(target=self._run, daemon=True, name="ppo_tokens-sampler")
             self.thread.start()
 
     def _produce(self, i: int):
-        with self.tracer.span("wait for weights", "sampler"):
+        with self.t.tracer.span("wait for weights", "sampler"):
             self.t.sync.wait_for(i - self.t.cfg.max_staleness, self.stop)
         with torch.cuda.stream(self.stream):  # None (CPU): a no-op
             return make_batch(self.t, i, self.stop)
 
-    def _run(self, start: int, n: int):
+    def _run(self):
         if self.stream is None:  # CPU: the Python-bound decode needs one core; the trainer keeps the others
             torch.set_num_threads(1)  # (intra-op threads are per calling thread)
         else:  # a new thread's current device is cuda:0; torch.cuda.stream() would set it and open a context there
             torch.cuda.set_device(self.stream.device)
         try:
-            for i in range(start, n):
+            for i in range(self.t.start, self.t.cfg.steps):
                 batch = self._produce(i)
-                with self.tracer.span("wait for queue space", "sampler"):
+                with self.t.tracer.span("wait for queue space", "sampler"):
                     self._put(batch)
         except BaseException as e:  # SystemExit from a reward check too: hand it to the trainer
             self._put(e)
@@ -1770,7 +1765,7 @@ class Producer:
             item = self._produce(self.next_index)
             self.next_index += 1
         else:
-            with self.tracer.span("wait for a batch", "trainer"):  # _run puts every batch, or its exception
+            with self.t.tracer.span("wait for a batch", "trainer"):  # _run puts every batch, or its exception
                 item = self.queue.get()
         if isinstance(item, BaseException):
             raise item
@@ -1923,26 +1918,24 @@ def make_batch(t: Training, i: int, stop: threading.Event) -> Rollout:
         t0 = time.perf_counter()
         version = t.sync.pull()
         prompts = [next(t.order) for _ in range(cfg.batch_size // cfg.samples_per_prompt)]
-        # each prompt --samples-per-prompt times, side by side (a group: group_advantages), every rank whole groups
+        # each prompt --samples-per-prompt times, side by side (a group: grpo, rloo), every rank whole groups
         rows = [p for p in prompts for _ in range(cfg.samples_per_prompt)][t.rank_rows]
-        args = sampling_args(cfg, run.tokenizer.pad_token_id, run.stop_ids, run.vocab)
 
         def next_version():  # stop promptly when the run stops; the next token's version (inflight: the newest)
             if stop.is_set():
                 raise InterruptedError("the run is stopping")
             return t.sync.pull() if cfg.inflight_updates else version
+        args = dict(sampling_args(cfg, run.tokenizer.pad_token_id, run.stop_ids, run.vocab),
+                    generator=t.sample_generator, policy_version=version, between_steps=next_version)
         texts = [run.prompt_texts[r] for r in rows]
         if run.env is None:
             ids, mask = left_pad([run.prompt_ids[r] for r in rows], run.tokenizer.pad_token_id, run.policy.device)
-            batch = generate(t.decoder, ids, mask, **args, generator=t.sample_generator, policy_version=version,
-                             between_steps=next_version)
+            batch = generate(t.decoder, ids, mask, **args)
             batch.completions = decode_completions(run.tokenizer, batch)
         else:  # an environment per row, seeded by the run, the batch and the prompt: a resume replays it
             seeds = [cfg.seed * 1_000_003 + i * cfg.batch_size + (t.rank_rows.start + k) // cfg.samples_per_prompt
                      for k in range(len(rows))]  # (a group's rows: one task)
-            batch = run_episodes(t.decoder, [run.env() for _ in rows], texts, seeds, run.tokenizer, cfg, t.pool,
-                                 **args, generator=t.sample_generator, policy_version=version,
-                                 between_steps=next_version)
+            batch = run_episodes(t.decoder, [run.env() for _ in rows], texts, seeds, run.tokenizer, cfg, t.pool, **args)
             failed = [e for e in batch.episodes["errors"] if e]
             if failed:
                 print(f"--env: {len(failed)} of {len(rows)} episodes of batch {i} ended on an error; the first: "
@@ -1972,12 +1965,11 @@ def log_iteration(t: Training, step: int, batch: Rollout, kl, stats: dict, lr: f
                               t.run.env)
     now = time.time()
     iter_s = now - t.window_start
-    busy = t.tracer.take()
+    busy = {f"{side}_{what}_s": 0.0 for side in ("trainer", "sampler") for what in ("busy", "wait")}
+    busy.update(t.tracer.take())  # each thread's busy and waiting seconds in this iteration
     B, P, T = batch.response.shape[0], batch.prompt_ids.shape[1], batch.response.shape[1]
     response_tokens = int(batch.response_mask.sum())  # the policy's (--env: not the observations')
     sequence_tokens = int(full_sequence(batch)[1].sum())
-    trainer_busy = busy.get("trainer_busy_s", 0.0)
-    sampler_busy = busy.get("sampler_busy_s", 0.0)
     kl_means = global_masked_means([(kl.sum(-1), batch.loss_rows.any(1)), (kl, batch.loss_rows)])
     record = {"step": step,
               "reward_mean": float(batch.raw_scores.mean()),
@@ -1997,15 +1989,13 @@ def log_iteration(t: Training, step: int, batch: Rollout, kl, stats: dict, lr: f
               "gen_tokens_per_s": response_tokens / batch.gen_s,
               "train_tokens_per_s": cfg.ppo_epochs * sequence_tokens / update_s,
               "tokens_per_s": response_tokens / iter_s,  # end to end: what the overlap buys
-              **{f"{side}_{what}_s": busy.get(f"{side}_{what}_s", 0.0)
-                 for side in ("trainer", "sampler") for what in ("busy", "wait")},
-              "trainer_idle_frac": max(0.0, 1.0 - trainer_busy / iter_s),
-              "overlap_frac": max(0.0, trainer_busy + sampler_busy - iter_s) / iter_s,  # both busy at once
+              **busy,
+              "trainer_idle_frac": max(0.0, 1.0 - busy["trainer_busy_s"] / iter_s),
+              "overlap_frac": max(0.0, busy["trainer_busy_s"] + busy["sampler_busy_s"] - iter_s) / iter_s,  # both busy
               "weight_sync_ms": sync_ms}
     if t.run.env is not None:  # per episode: its turns, and whether its environment failed
-        episodes = batch.episodes
-        record["turns_mean"] = sum(map(len, episodes["rewards"])) / B
-        record["env_errors"] = sum(e is not None for e in episodes["errors"])
+        record["turns_mean"] = sum(map(len, batch.episodes["rewards"])) / B
+        record["env_errors"] = sum(e is not None for e in batch.episodes["errors"])
     record = reduce_record(record, t.ctx.world)
     t.window_start = now
     record["time_s"] = now - t.run_start
@@ -2026,9 +2016,8 @@ def log_iteration(t: Training, step: int, batch: Rollout, kl, stats: dict, lr: f
 
 
 def save_training(t: Training, step: int, batch: Rollout):
-    """checkpoints/step-N/: config.json, policy/ (usable as --model) and DCP's shards of checkpoint_state (FSDP2 is not
-    gathered). DCP writes its .metadata last, and a directory counts as a checkpoint only once it has one, so a kill
-    at any moment leaves the older checkpoints whole."""
+    """checkpoints/step-N/: config.json, policy/ (usable as --model), DCP's shards of checkpoint_state (FSDP2: not
+    gathered). DCP writes .metadata last, and only a directory with one counts: a kill leaves the older ones whole."""
     import warnings
     import torch.distributed.checkpoint as dcp
     path = os.path.join(t.output_dir, "checkpoints", f"step-{step:08d}")
@@ -2302,9 +2291,8 @@ def bench_overlap(cfg: Config, output_dir: str):
 
 
 def bench_rollout(cfg: Config):
-    """--bench-rollout: (1) tokens/s of our sampler (also with each group's prefill shared, and compiled) vs
-    transformers' generate, --batch-size rows of --response-length tokens; on CUDA the decode step vs the weights-read
-    bound. (2) bench_update."""
+    """--bench-rollout: (1) our sampler's tokens/s (also sharing each group's prefill, and compiled) vs HF generate,
+    --batch-size rows of --response-length tokens; on CUDA the decode step vs the weight-read bound; (2) bench_update"""
     cfg = dataclasses.replace(cfg, demo_warmup_steps=0)  # speed does not depend on the weights
     run = setup(cfg)  # (which may turn --full-logits on)
     tokenizer, device = run.tokenizer, run.policy.device
