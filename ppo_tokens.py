@@ -22,8 +22,8 @@ Left out: pure-bf16 weights (fp32 master weights and AdamW), paged attention / c
 README.md gives its numbers with the commands and machines they came from.
 """
 
-import argparse, collections, contextlib, copy, dataclasses, functools, gc, hashlib, importlib, importlib.util, inspect
-import itertools, json, math, os, queue, random, shutil, signal, sys, threading, time
+import argparse, collections, concurrent.futures, contextlib, copy, dataclasses, functools, gc, hashlib, importlib
+import importlib.util, inspect, itertools, json, math, os, queue, random, shutil, signal, sys, threading, time, warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -962,7 +962,7 @@ def setup(cfg: Config, ctx: Dist = Dist()):
     rule = load_function(cfg.reward) if cfg.reward else addition_reward
     tokenizer, policy, stop_ids, vocab = load_policy(cfg, device)
     run = dict(tokenizer=tokenizer, policy=policy, eval_ids=None, eval_texts=None, prompt_texts=prompt_texts,
-               stop_ids=stop_ids, vocab=vocab, env=load_env(cfg.env) if cfg.env else None)
+               stop_ids=stop_ids, vocab=vocab, critic=None, env=load_env(cfg.env) if cfg.env else None)
     if not cfg.prompts:
         # all (a, b) in 0..99 x 0..99, split into training and held-out pairs once: the same split for every --seed
         pairs = [divmod(i, 100) for i in torch.randperm(10_000, generator=torch.Generator().manual_seed(1234)).tolist()]
@@ -1002,7 +1002,6 @@ def setup(cfg: Config, ctx: Dist = Dist()):
         unpackable = use_packed_attention(backbone_of(policy), cfg.bf16)  # before the copies, which inherit it
     reference = cast_parameters(copy.deepcopy(policy), dtype).requires_grad_(False)
     run["reference"] = Actor(reference, cfg.temperature, cfg.full_logits, vocab)
-    run["critic"] = None
     critic_from = f"no critic (--advantage {cfg.advantage})"
     if ADVANTAGES[cfg.advantage].critic:
         run["critic"] = build_critic(policy, reward_model, same_tokenizer)
@@ -1713,7 +1712,6 @@ class Tracer:
         return totals
 
 
-
 class Producer:
     """make_batch(t, i) in a thread at most max_staleness versions ahead (or inline); its exceptions re-raise here."""
 
@@ -1901,7 +1899,6 @@ def start_training(cfg: Config, run, output_dir: str, threaded, ctx: Dist) -> Tr
     t.order = prompt_order(len(run.prompt_ids), cfg.seed, start=t.start * (cfg.batch_size // cfg.samples_per_prompt))
     t.decoder = sampler
     if run.env is not None:  # a tool call mostly waits: as many threads as rows
-        import concurrent.futures
         t.pool = concurrent.futures.ThreadPoolExecutor(rank_rows.stop - rank_rows.start, "ppo_tokens-env")
     if cfg.static_cache:  # (--env: a turn's prefill is up to T columns longer for rows that have used fewer)
         longest = max(map(len, run.prompt_ids)) + cfg.response_length * (2 if run.env else 1)
@@ -2018,7 +2015,6 @@ def log_iteration(t: Training, step: int, batch: Rollout, kl, stats: dict, lr: f
 def save_training(t: Training, step: int, batch: Rollout):
     """checkpoints/step-N/: config.json, policy/ (usable as --model), DCP's shards of checkpoint_state (FSDP2: not
     gathered). DCP writes .metadata last, and only a directory with one counts: a kill leaves the older ones whole."""
-    import warnings
     import torch.distributed.checkpoint as dcp
     path = os.path.join(t.output_dir, "checkpoints", f"step-{step:08d}")
     save_policy(t, os.path.join(path, "policy"))  # (over a half-written directory of a killed run: no .metadata)
@@ -2154,7 +2150,6 @@ def checkpoint_state(actor, critic, optimizers, schedules, ctx: Dist, sampler_rn
 
 def load_checkpoint(path: str, actor, critic, optimizers, schedules, ctx: Dist = Dist()) -> dict:
     """In place (parameters stay views of the packed buffer), with this rank's RNGs; returns the loop state."""
-    import warnings
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import state_dict as dcp_state
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
@@ -2302,7 +2297,7 @@ def bench_rollout(cfg: Config):
                          device)
     max_len = max(map(len, run.prompt_ids)) + T
     eager = fast_decoder(sampler, B, max_len, PlainDecoder)
-    decoders = {type(eager).__name__: eager}
+    decoders = {"plain loop": sampler, type(eager).__name__: eager}
     if n > 1 and isinstance(eager, StaticDecoder):  # and with each group's prompt prefilled once
         shared = fast_decoder(sampler, B, max_len, PlainDecoder, group=n)
         if shared.shared is not None:  # (unless it fell back)
@@ -2318,7 +2313,6 @@ def bench_rollout(cfg: Config):
                                              top_k=0, top_p=1.0, temperature=cfg.temperature, max_new_tokens=T,
                                              min_new_tokens=T, pad_token_id=tokenizer.pad_token_id,
                                              eos_token_id=tokenizer.eos_token_id),
-            "plain loop": functools.partial(generate, sampler, ids, mask, **args),
             **{row: functools.partial(generate, d, ids, mask, **args) for row, d in decoders.items()},
             "prefill": functools.partial(decoder.start, ids, mask, positions(mask))}
     with torch.no_grad():
