@@ -363,8 +363,7 @@ def sequence_logprobs(model, input_ids, attention_mask, position_ids, response, 
 
 
 class Actor(nn.Module):
-    """sequence_logprobs as one module forward: the fused path reads lm_head.weight, which DDP/FSDP2 only sync/gather
-    in the wrapped module's forward."""
+    """sequence_logprobs as a module: DDP/FSDP2 sync/gather lm_head.weight, read by the fused path, only in forward."""
 
     def __init__(self, policy, temperature: float, full_logits=False, vocab=None):
         super().__init__()
@@ -577,9 +576,8 @@ PG_MASKS = {"all": all_loss_tokens, "top-entropy": top_entropy_tokens}
 def score_trainer(batch: Rollout, policy, critic, cfg: Config, row_order=None, version=None):
     """Scoring with the current weights: proximal ("old") log-probs and values in the first epoch's micro-batches
     (row_order), so that its ratio is bit-exactly 1; then rewards, ADVANTAGES, PG_MASKS and the staleness correction.
-    The first minibatch's forwards, when it is one micro-batch, keep their graphs: its update step reuses them (one
-    forward fewer of each model; both models' activations are held at once until then). version: the trainer's
-    policy version (None: all tokens fresh). Returns the per-token KL."""
+    The first minibatch's forwards, when it is one micro-batch, keep their graphs for its update step (a forward fewer
+    per model; both models' activations held till then). version: the trainer's (None: all fresh). -> per-token KL."""
     n = cfg.samples_per_prompt
     flat = flat_groups(batch.scores, n) if n > 1 else torch.zeros_like(batch.ended)  # (B,) groups without signal
     mask = batch.response_mask.bool()
@@ -716,8 +714,7 @@ def policy_objective(logprobs, mb: Rollout, cfg: Config, share: Share = Share())
 
 
 def value_loss(values, old_values, returns, mask, clip_range, share: Share = Share()):
-    """Clipped value loss (OpenAI's baselines, the N+ details): the prediction moves at most clip_range from the
-    rollout's value, and the worse squared error counts:
+    """Clipped value loss (OpenAI baselines, N+): V moves at most clip_range from the rollout's; the worse error counts:
         L = 0.5 * mean_t max((V_t - R_t)^2, (old_V_t + clip(V_t - old_V_t, -c, c) - R_t)^2), the mean as --loss-agg."""
     clipped = old_values + torch.clamp(values - old_values, -clip_range, clip_range)
     squared = torch.maximum((values - returns) ** 2, (clipped - returns) ** 2)
@@ -1146,10 +1143,9 @@ def build_critic(policy, reward_model=None, same_tokenizer=False):
     else of the policy's backbone with a zero head: a random head's noise made the demo's accuracy collapse."""
     if reward_model is not None and same_tokenizer:
         return copy.deepcopy(reward_model).to(torch.float32).requires_grad_(True).eval()
-    backbone = copy.deepcopy(backbone_of(policy))
     head = nn.Linear(policy.config.hidden_size, 1, bias=False).to(policy.device, policy.dtype)
     nn.init.zeros_(head.weight)
-    return ScalarHeadModel(backbone, head).to(torch.float32).requires_grad_(True).eval()
+    return ScalarHeadModel(copy.deepcopy(backbone_of(policy)), head).to(torch.float32).requires_grad_(True).eval()
 
 
 def decoder_layers(model):  # the transformer blocks: the longest ModuleList
@@ -1406,11 +1402,10 @@ def observation_ids(tokenizer, text: str, role: str, chat: bool, stop_id: int) -
 @torch.no_grad()
 def run_episodes(decoder, envs, texts, seeds, tokenizer, cfg: Config, pool=None, **sampling) -> Rollout:
     """Multi-turn rollouts: envs[i] (Gymnasium's reset / step over text) plays row i. Each turn re-prefills the
-    conversation so far through generate(), so both decoders serve it as they are; a turn ends at a stop id; the
-    environments step concurrently in `pool` (a tool call mostly waits); the observation's tokens are appended as
-    context (response_mask 0). A row ends when its environment terminates or truncates, at --max-turns, after a turn
-    without a stop id, or when its --response-length budget (turns and observations) runs out. sampling: generate's
-    keyword arguments (sampling_args, generator, ...). -> a Rollout with context_mask and turn_rewards."""
+    conversation so far in generate(), so both decoders serve it as they are; a turn ends at a stop id; the
+    environments step concurrently in `pool` (a tool call mostly waits); observations are appended as context
+    (response_mask 0). A row ends when its environment is done, at --max-turns, after a turn without a stop id, or when
+    its --response-length budget (turns and observations) runs out. -> a Rollout with context_mask and turn_rewards."""
     B, T, pad, mapper = len(envs), cfg.response_length, sampling["pad_id"], pool.map if pool else map
     try:
         first = list(mapper(lambda e, p, s: e.reset(p, seed=s)[0], envs, texts, seeds))
