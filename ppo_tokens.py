@@ -1249,11 +1249,12 @@ def load_env(spec: str):  # -> the factory, checked once: it makes an environmen
 
 def format_prompts(tokenizer, texts, use_chat_template: bool, max_prompt_length: int, long_prompts="truncate"):
     """Token ids per prompt, in the chat template if any; long ones keep their last tokens (the question), or fail."""
-    chat = use_chat_template and getattr(tokenizer, "chat_template", None)
-    if chat:  # (the template writes the special tokens)
+    if use_chat_template and getattr(tokenizer, "chat_template", None):
         texts = [tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
                                                add_generation_prompt=True) for t in texts]
-    ids = tokenizer(texts, add_special_tokens=not chat)["input_ids"]
+        ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    else:
+        ids = tokenizer(texts)["input_ids"]
     empty = [i for i, x in enumerate(ids) if not x]
     if empty:  # (a tokenizer without BOS, e.g. Qwen's or GPT-2's, and no chat template)
         raise SystemExit(f"{len(empty)} of {len(ids)} prompts are no tokens to the tokenizer (the first is prompt "
