@@ -58,8 +58,7 @@ class Config:
     reward_model: str = arg("", "AutoModelForSequenceClassification (num_labels=1) directory: score = its output")
     reward: str = arg("", "'module:function', (prompts, completions, **facts) -> list[float]; facts: README")
     prompts: str = arg("", "JSONL file, one object per line with a 'prompt' field; empty = the demo's prompts")
-    env: str = arg("", "multi-turn: 'module:factory', factory() -> an environment (reset, step: README); or 'demo' / "
-                       "'demo-control' (the demo, a second try after a '<' / '>' hint, or after a bare '=')")
+    env: str = arg("", "multi-turn: 'module:factory', factory() -> an environment (reset, step: README); or 'demo'")
     max_turns: int = arg(2, "multi-turn (--env): the policy's turns per episode at most")
     env_latency: float = arg(0.0, "multi-turn: seconds each environment step waits first (a tool's latency, to bench)")
     chat_template: bool = arg(True, "wrap each prompt in the tokenizer's chat template when it has one")
@@ -69,7 +68,7 @@ class Config:
     batch_size: int = arg(0, "completions per iteration; 0 = demo: 256, 64 prompts x group; --model: 64, 16 x group")
     response_length: int = arg(0, "max new tokens per completion (--env: all turns and observations); 0 = demo: 4 "
                                   "(--env: 4 a turn, 8 an observation); --model: 256")
-    temperature: float = arg(0.0, "sampling temperature, scoring divides the logits by it; 0 = demo: 0.7, --model: 1")
+    temperature: float = arg(0.0, "of sampling and scoring (logits / T); 0 = demo: 0.7 (--env: 1), --model: 1")
     top_k: int = arg(0, "sample from the k most likely tokens only (0 = off); log-probs renormalise over that set")
     top_p: float = arg(1.0, "nucleus sampling threshold (1 = off); keeps at most --top-k ids, 64 when --top-k is 0")
     # PPO
@@ -156,7 +155,7 @@ class Config:
             defaults = dict(steps=300 if critic else 800, batch_size=64 * n if groups else 256,
                             response_length=12 * self.max_turns - 8 if self.env else 4,
                             ppo_epochs=2 if critic else 1, lr=5e-4 if critic else 3e-4, critic_lr=1e-3,
-                            temperature=0.7, bf16=False)  # (T 1: the end varied 0.78-0.92 with each machine)
+                            temperature=1.0 if self.env else 0.7, bf16=False)  # (T 1: the end varied 0.78-0.92)
         bf16 = defaults["bf16"] if self.bf16 is None else self.bf16
         # the frozen models in bf16 on CUDA (memory) or under --bf16; the KL where its estimator puts it; flat groups
         # out of the loss
@@ -1345,22 +1344,26 @@ def rule_scores(rule, batch: Rollout):
 
 
 class AdditionRetry:
-    """The multi-turn demo's environment, a guessing game: the number is a+b plus a hidden -1, 0 or +1 (drawn from the
-    episode's seed). A wrong guess gets a hint, '<' (too low) or '>' (too high), then the question again, and another
-    try (--max-turns); hint=False, the control: '=' instead of the hint. Reward 1 for the number then EOS."""
+    """The multi-turn demo's game: the number is a+b or its neighbour 10 below or above (hidden, of the episode's seed).
+    A wrong guess gets the question again and a hint, '<' (too low) or '>' (too high), and another try (--max-turns);
+    hint=False ('demo-control'): '=' instead of the hint. Reward 1 for the number then EOS."""
 
     def __init__(self, hint=True):
         self.hint = hint
 
     def reset(self, prompt: str, seed: int = None):  # -> (observation: the first user message, info)
         a, b = prompt.rstrip("=").split("+")
-        self.question, self.answer = prompt, int(a) + int(b) + random.Random(seed).choice((-1, 0, 1))
+        self.question, self.answer = prompt, neighbour(int(a) + int(b), random.Random(seed).choice((-10, 0, 10)))
         return prompt, {}
 
     def step(self, action: str, ended: bool = True):  # -> (observation, reward, terminated, truncated, info)
         if ended and action.strip() == str(self.answer):
             return "", 1.0, True, False, {}
-        return retry_hint(action, self.answer, self.hint) + self.question, 0.0, False, False, {}
+        return self.question + retry_hint(action, self.answer, self.hint), 0.0, False, False, {}
+
+
+def neighbour(n: int, d: int) -> int:  # n + d, or n - d where n + d is negative or has another number of digits
+    return n + d if n + d >= 0 and (n < 10 or len(str(n + d)) == len(str(n))) else n - d
 
 
 def retry_hint(guess: str, answer: int, hint=True) -> str:
@@ -1501,10 +1504,12 @@ def run_episodes(decoder, envs, texts, seeds, tokenizer, cfg: Config, pool=None,
 @torch.no_grad()
 def evaluate(policy, tokenizer, prompt_ids, prompt_texts, cfg: Config, seed: int, env=None, chunk=500) -> dict:
     """Sampled accuracy (as training samples), re-seeded: successive evaluations differ only by the weights. env (the
-    multi-turn demo): success within --max-turns, on the first turn, and on the second try after a miss."""
+    multi-turn demo): greedy success within --max-turns, on the first turn, and on the second try after a miss."""
     device = policy.device
     generator = torch.Generator(device).manual_seed(seed)
     args = sampling_args(cfg, tokenizer.pad_token_id, tokenizer.eos_token_id)
+    if env is not None:  # greedy: the policy's best answer each turn, so that the second try shows what it learned
+        args["top_k"] = 1
     first_success = []  # per prompt: the turn of its first reward (1, 2, ...), 0 for none
     for start in range(0, len(prompt_ids), chunk):
         texts = prompt_texts[start:start + chunk]
@@ -1553,19 +1558,24 @@ def demo_warmup(policy, tokenizer, train_pairs, cfg: Config):
         rows = rng.sample(range(len(train_pairs)), 128)
         ids, mask = left_pad([all_ids[i] for i in rows], tokenizer.pad_token_id, policy.device)
         seqs, loss = [answers[i] for i in rows], None
-        if retry:  # every other row a second try after a miss W: W<eos>, the hint, a+b= again, then the sum
-            misses = [max(0, a + b + rng.choice((-10, -2, -1, 1, 2, 10))) for a, b in (train_pairs[i] for i in rows)]
-            seqs, loss = [], []
-            for k, (i, miss) in enumerate(zip(rows, misses)):
-                a, b = train_pairs[i]
-                hint = retry_hint(str(miss), a + b, cfg.env == "demo") + addition_prompt(a, b)
+        mixed = retry and step > cfg.demo_warmup_steps // 2  # the second half: the conversation's format too
+        if mixed:  # every other row a second try after a miss W (1 or 20 off): W<eos>, a+b= and the hint, then the
+            seqs, loss = [], []  # sum or, for a fifth, a neighbour on either side (the hint's meaning is left to PPO)
+            for k, i in enumerate(rows):
+                total = sum(train_pairs[i])
+                miss, target = total + rng.choice((-20, -1, 1, 20)), total
+                miss = miss if miss >= 0 else 2 * total - miss
+                if rng.random() < 0.2:
+                    target = neighbour(total, rng.choice((-10, 10)))
+                hint = addition_prompt(*train_pairs[i]) + retry_hint(str(miss), total, cfg.env == "demo")
                 context = [] if k % 2 == 0 else tokenizer(f"{miss}", add_special_tokens=False)["input_ids"] + [
                     tokenizer.eos_token_id] + tokenizer(hint, add_special_tokens=False)["input_ids"]
-                seqs.append(context + answers[i])
-                loss.append([0] * len(context) + [1] * len(answers[i]))  # the loss on the sum and its EOS only
+                answer = tokenizer(str(target), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+                seqs.append(context + (answers[i] if k % 2 == 0 else answer))
+                loss.append([0] * len(context) + [1] * len(seqs[-1][len(context):]))  # the loss on the answer only
         response = tokenizer.pad({"input_ids": seqs}, padding_side="right", return_tensors="pt").to(policy.device)
         batch = Rollout(ids, mask, response["input_ids"], response["attention_mask"], None, None, None)
-        if retry:  # (the hint's meaning is left to PPO: here the plain sum always follows it)
+        if mixed:
             batch.context_mask = batch.response_mask
             batch.response_mask = torch.tensor([x + [0] * (batch.response.shape[1] - len(x)) for x in loss],
                                                device=policy.device)

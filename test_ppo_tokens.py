@@ -1838,16 +1838,18 @@ ENV_RUN = ["--env", "demo", "--batch-size", "16", "--minibatches", "2", "--steps
 
 
 def test_the_multi_turn_demo_runs_and_logs_success_by_turn(tmp_path):
-    answers = {}  # the guessing game: a+b plus a hidden -1, 0 or +1 of the seed; the hint says which side
+    answers = {}  # the guessing game: a+b or a hidden neighbour 10 away, of the seed; the hint says which side
     for seed in range(30):
         env, control = pt.AdditionRetry(), pt.AdditionRetry(hint=False)
         env.reset("12+30=", seed), control.reset("12+30=", seed)
         answers[seed] = env.answer
         assert env.step(str(env.answer), ended=True)[1:3] == (1.0, True)
         assert env.step(str(env.answer), ended=False)[1] == 0.0  # (without EOS)
-        assert env.step("42")[0] == ("" if env.answer == 42 else "<12+30=" if 42 < env.answer else ">12+30=")
-        assert control.step("7")[0] == "=12+30=" and control.answer == env.answer
-    assert set(answers.values()) == {41, 42, 43}
+        assert env.step("42")[0] == ("" if env.answer == 42 else "12+30=<" if 42 < env.answer else "12+30=>")
+        assert control.step("7")[0] == "12+30==" and control.answer == env.answer
+    assert set(answers.values()) == {32, 42, 52}
+    # a neighbour keeps the number of digits and is never negative (else the other side); below 10 it may gain one
+    assert [pt.neighbour(n, d) for n, d in ((95, 10), (12, -10), (5, -10), (5, 10), (50, -10))] == [85, 22, 15, 15, 40]
     out = run_script([*ENV_RUN, "--output-dir", tmp_path / "run", "--demo-cache", tmp_path / "cache"], tmp_path)
     before, *records = read_metrics(tmp_path / "run")
     assert "--response-length 16" in out and "turn1" in out and "second_try" in out
