@@ -1533,7 +1533,7 @@ def evaluate(policy, tokenizer, prompt_ids, prompt_texts, cfg: Config, seed: int
 def demo_warmup(policy, tokenizer, train_pairs, cfg: Config):
     """Supervised warm-up, so that PPO starts from a policy that is sometimes right. A fixed number of steps: a stop
     at an accuracy threshold moved with rounding, as does the loss's drop (CPU: 300-500 steps, H200: 500+). Cached."""
-    retry = cfg.env in ENVIRONMENTS  # the multi-turn demo: every other row a second try after a miss (its format)
+    retry = cfg.env in ENVIRONMENTS  # the multi-turn demo: its second half also shows the game's format
     key = json.dumps([policy.config.to_json_string(), sorted(tokenizer.get_vocab().items()), cfg.seed,
                       cfg.demo_warmup_lr, cfg.demo_warmup_steps, inspect.getsource(demo_warmup),  # (an edit: anew)
                       *([cfg.env] if retry else [])])
@@ -1570,9 +1570,10 @@ def demo_warmup(policy, tokenizer, train_pairs, cfg: Config):
                 hint = addition_prompt(*train_pairs[i]) + retry_hint(str(miss), total, cfg.env == "demo")
                 context = [] if k % 2 == 0 else tokenizer(f"{miss}", add_special_tokens=False)["input_ids"] + [
                     tokenizer.eos_token_id] + tokenizer(hint, add_special_tokens=False)["input_ids"]
-                answer = tokenizer(str(target), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-                seqs.append(context + (answers[i] if k % 2 == 0 else answer))
-                loss.append([0] * len(context) + [1] * len(seqs[-1][len(context):]))  # the loss on the answer only
+                answer = answers[i] if k % 2 == 0 else tokenizer(str(target), add_special_tokens=False)[
+                    "input_ids"] + [tokenizer.eos_token_id]
+                seqs.append(context + answer)
+                loss.append([0] * len(context) + [1] * len(answer))  # the loss on the answer and its EOS only
         response = tokenizer.pad({"input_ids": seqs}, padding_side="right", return_tensors="pt").to(policy.device)
         batch = Rollout(ids, mask, response["input_ids"], response["attention_mask"], None, None, None)
         if mixed:
