@@ -110,11 +110,9 @@ class Config:
     max_staleness: int = arg(0, "policy versions a batch may lag the trainer: 0 = synchronous, 1 = one-step off-policy")
     inflight_updates: bool = arg(False, "the sampler takes new weights between decode steps (PipelineRL)")
     is_cap: float = arg(2.0, "cap on the decoupled-PPO importance weight exp(prox_logp - behav_logp) of stale tokens")
-    is_mode: str = arg("truncate", "capped weights: 'truncate' (set to --is-cap) or 'mask' (0: no policy gradient)")
-    max_token_age: int = arg(-1, "drop tokens sampled more than this many versions ago from the loss (-1 = keep all)")
     trace: str = arg("", "write a Chrome trace (chrome://tracing, ui.perfetto.dev) of sampler and trainer to this file")
     bench_overlap: bool = arg(False, "benchmark: run --steps iterations at --max-staleness 0, 1 and 2, print a table")
-    bench_rollout: bool = arg(False, "benchmark: our sampler vs HF generate (tokens/s), and packed vs padded updates")
+    bench_rollout: bool = arg(False, "benchmark: our sampler vs HF generate (tokens/s): plain loop, static cache, compiled")
     static_cache: bool = arg(True, "sample with a preallocated KV cache (+ CUDA graphs); off = DynamicCache")
     compile_sampler: bool = arg(None, "torch.compile the sampler's steps (~10-90 s at start); default: where it pays")
     full_logits: bool = arg(False, "log-probs from full [tokens, vocab] logits, not the fused lm_head path")
@@ -222,7 +220,7 @@ class Rollout:
     advantages: torch.Tensor = None  # (B, T) from the --advantage estimator (ADVANTAGES)
     returns: torch.Tensor = None  # (B, T) the critic's targets (estimators with a critic only)
     is_weight: torch.Tensor = None  # (B, T) decoupled-PPO importance weight of each token (exactly 1 when fresh)
-    loss_mask: torch.Tensor = None  # (B, T) response_mask minus the tokens too old and the flat groups dropped
+    loss_mask: torch.Tensor = None  # (B, T) response_mask minus the flat groups dropped
     first_forward: tuple = None  # scoring's (logprobs, entropy, values) of the first minibatch, graphs kept: its update
     pg_mask: torch.Tensor = None  # (B, T) bool: the loss tokens that get the policy gradient (--pg-mask: PG_MASKS)
     loss_rows: torch.Tensor = None  # (B, T) bool: response_mask in the rows with a loss token (the logged statistics')
@@ -579,10 +577,7 @@ def score_trainer(batch: Rollout, policy, critic, cfg: Config, row_order=None, v
     per model; both models' activations held till then). version: the trainer's (None: all fresh). -> per-token KL."""
     n = cfg.samples_per_prompt
     flat = flat_groups(batch.scores, n) if n > 1 else torch.zeros_like(batch.ended)  # (B,) groups without signal
-    mask = batch.response_mask.bool()
-    if cfg.max_token_age >= 0 and version is not None:  # tokens sampled more than --max-token-age versions ago
-        mask = mask & (version - batch.policy_version <= cfg.max_token_age)
-    batch.loss_mask = (mask & ~(flat & cfg.drop_flat_groups)[:, None]).long()  # (B, T)
+    batch.loss_mask = (batch.response_mask.bool() & ~(flat & cfg.drop_flat_groups)[:, None]).long()  # (B, T)
     batch.loss_rows = batch.response_mask.bool() & batch.loss_mask.bool().any(1, keepdim=True)  # (B, T)
     # --sampler-logprobs (verl's bypass mode): at staleness 0 the sampler held these weights, so its log-probs and
     # entropies are the old ones, without a policy forward; exact where its numerics are the trainer's (README)
@@ -620,7 +615,7 @@ def score_trainer(batch: Rollout, policy, critic, cfg: Config, row_order=None, v
 
 def off_policy_correction(batch: Rollout, cfg: Config, version=None):
     """Tokens an older policy sampled get the decoupled-PPO importance weight (Hilton et al. 2022; AReaL):
-        w_t = exp(prox_logp_t - behav_logp_t), capped at --is-cap (truncated or masked); exactly 1 for fresh tokens,
+        w_t = exp(prox_logp_t - behav_logp_t), truncated at --is-cap; exactly 1 for fresh tokens,
     so at --max-staleness 0 this is plain PPO to the bit. --mismatch-correction: fresh tokens too (Yao et al. 2025):
     a sampler with other numerics (bf16, other kernels) is a slightly different policy even at the same version."""
     mask = batch.response_mask.bool()
@@ -632,7 +627,7 @@ def off_policy_correction(batch: Rollout, cfg: Config, version=None):
     log_ratio = batch.old_logprobs - batch.behav_logprobs  # log pi_prox / pi_behav
     weight = torch.where(fresh, 1.0, torch.exp(log_ratio))
     capped = mask & (weight > cfg.is_cap)
-    batch.is_weight = torch.where(capped, cfg.is_cap if cfg.is_mode == "truncate" else 0.0, weight)
+    batch.is_weight = torch.where(capped, cfg.is_cap, weight)
     # the sampler / trainer mismatch: |log pi_prox - log pi_behav|, and KL(behav || prox) (k3)
     mismatch_kl = kl_estimate(batch.behav_logprobs, batch.old_logprobs, "k3")
     means = global_masked_means([(age.float(), mask), (batch.is_weight, in_loss), (capped.float(), in_loss),
@@ -2293,8 +2288,8 @@ def bench_overlap(cfg: Config, output_dir: str):
 
 
 def bench_rollout(cfg: Config):
-    """--bench-rollout: (1) our sampler's tokens/s (also sharing each group's prefill, and compiled) vs HF generate,
-    --batch-size rows of --response-length tokens; on CUDA the decode step vs the weight-read bound; (2) bench_update"""
+    """--bench-rollout: our sampler's tokens/s (also sharing each group's prefill, and compiled) vs HF generate,
+    --batch-size rows of --response-length tokens."""
     cfg = dataclasses.replace(cfg, demo_warmup_steps=0)  # speed does not depend on the weights
     run = setup(cfg)  # (which may turn --full-logits on)
     tokenizer, device = run.tokenizer, run.policy.device
@@ -2313,75 +2308,21 @@ def bench_rollout(cfg: Config):
         compiled = fast_decoder(sampler, B, max_len, PlainDecoder, compiled=True, group=n)
         if compiled.decode is not sampler:  # (unless it fell back)
             decoders["compiled"] = compiled
-    name, decoder = list(decoders.items())[-1]  # what train() samples with
+    name = list(decoders)[-1]  # what train() samples with
     args = sampling_args(cfg, tokenizer.pad_token_id, [], run.vocab)  # no stop id: --response-length tokens each
     args["generator"] = torch.Generator(device)  # one for all runs: a run samples T tokens whatever they are
     runs = {"HF generate": functools.partial(sampler.generate, input_ids=ids, attention_mask=mask, do_sample=True,
                                              top_k=0, top_p=1.0, temperature=cfg.temperature, max_new_tokens=T,
                                              min_new_tokens=T, pad_token_id=tokenizer.pad_token_id,
                                              eos_token_id=tokenizer.eos_token_id),
-            **{row: functools.partial(generate, d, ids, mask, **args) for row, d in decoders.items()},
-            "prefill": functools.partial(decoder.start, ids, mask, positions(mask))}
+            **{row: functools.partial(generate, d, ids, mask, **args) for row, d in decoders.items()}}
     with torch.no_grad():
         seconds = timed(runs, device)
-    prefill = seconds.pop("prefill")
     print(f"\nsampling {B} x {T} tokens after {ids.shape[1]}-token prompts, "
           f"{sum(p.numel() for p in sampler.parameters()) / 1e6:.1f}M parameters in {sampler.dtype} on {device}:")
     for row, s in seconds.items():
         print(f"  {row:<14} {s * 1e3:9.1f} ms  {B * T / s:9.0f} tokens/s  {seconds['HF generate'] / s:5.2f}x")
-    if device.type == "cuda":  # the decode step cannot beat reading every weight once
-        param_bytes = sum(p.numel() * p.element_size() for p in sampler.parameters())
-        flat = torch.empty(param_bytes // 2, dtype=torch.bfloat16, device=device)
-        bound = timed({"copy": flat.clone}, device)["copy"] / 2  # a copy reads and writes each byte
-        step = (seconds[name] - prefill) / max(1, T - 1)
-        print(f"  decode + sampling step {step * 1e3:.3f} ms vs weights-read bound {bound * 1e3:.3f} ms: "
-              f"{step / bound:.2f}x the bound")
-    bench_update(cfg, run)
     print(f"sampler vs generate: {seconds['HF generate'] / seconds[name]:.2f}x")
-
-
-def bench_update(cfg: Config, run):  # part (2) of --bench-rollout: packed vs padded training, lengths spread 4:1
-    policy, tokenizer, device, B = run.policy, run.tokenizer, run.policy.device, cfg.batch_size
-    L = min(getattr(policy.config, "max_position_embeddings", 256), 256 if device.type == "cuda" else 64)
-    g = torch.Generator().manual_seed(cfg.seed)
-    totals = torch.randint(L // 4, L + 1, (B,), generator=g)
-    prompt_lengths, response_lengths = totals // 2, totals - totals // 2
-    prompts = [torch.randint(3, len(tokenizer), (int(n),), generator=g).tolist() for n in prompt_lengths]
-    ids, mask = left_pad(prompts, tokenizer.pad_token_id, device)
-    Tmax = int(response_lengths.max())
-    response_mask = (torch.arange(Tmax)[None] < response_lengths[:, None]).long().to(device)
-    response = torch.randint(3, len(tokenizer), (B, Tmax), generator=g).to(device)
-    response = response.masked_fill(response_mask == 0, tokenizer.pad_token_id)
-    rows = cfg.micro_batch_size or max(1, B // cfg.minibatches // 4)
-    budget = cfg.micro_batch_tokens or rows * (ids.shape[1] + Tmax)  # the padded micro-batch's token capacity
-    orders = [torch.randperm(B, generator=g) for _ in range(cfg.ppo_epochs)]
-    updates = {}
-    cfg = dataclasses.replace(cfg, drop_flat_groups=False)  # (its scores are all 1: every group would be dropped)
-    for layout, c in (("padded", dataclasses.replace(cfg, micro_batch_size=rows, micro_batch_tokens=0)),
-                      ("packed", dataclasses.replace(cfg, micro_batch_size=0, micro_batch_tokens=budget))):
-        actor, reference = copy.deepcopy(policy), copy.deepcopy(run.reference)
-        unpackable = layout == "packed" and (use_packed_attention(backbone_of(actor), cfg.bf16)
-                                             or use_packed_attention(backbone_of(reference.policy), cfg.bf16))
-        if unpackable:
-            raise SystemExit(f"--bench-rollout: {unpackable}")
-        critic = build_critic(actor) if ADVANTAGES[c.advantage].critic else None
-        for model in [m for m in (actor, critic) if m is not None and cfg.gradient_checkpointing]:
-            checkpoint_layers(model)
-        actor = Actor(actor, c.temperature, c.full_logits, run.vocab)  # as train() scores
-        batch = Rollout(ids, mask, response, response_mask, torch.zeros(B, Tmax, device=device),
-                        torch.zeros_like(response), torch.ones(B, dtype=torch.bool, device=device),
-                        behav_entropy=torch.zeros(B, Tmax, device=device))  # (read by --sampler-logprobs)
-        score_frozen(batch, reference, lambda batch: torch.ones(B, device=device), c)  # every completion scores 1
-        score_trainer(batch, actor, critic, c, orders[0])
-        optimizers = make_optimizers(c, actor, critic)[:2]
-        updates[layout] = functools.partial(ppo_update, actor, critic, *optimizers, batch, c, orders)
-    results = timed(updates, device, reps=3)
-    real = int(mask.sum() + response_mask.sum())
-    print(f"PPO update ({cfg.ppo_epochs} epochs x {cfg.minibatches} minibatches) on {B} sequences of {L // 4}..{L} "
-          f"tokens ({1 - real / (B * (ids.shape[1] + Tmax)):.0%} of the padded layout is padding), {rows} rows or "
-          f"{budget} tokens per micro-batch:")
-    for layout, s in results.items():
-        print(f"  {layout:<7} {s * 1e3:9.1f} ms  {results['padded'] / s:5.2f}x")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -2393,7 +2334,7 @@ def bench_update(cfg: Config, run):  # part (2) of --bench-rollout: packed vs pa
 RUN_ONLY = ("resume", "output_dir", "save_every", "keep_checkpoints", "max_bad_steps", "trace", "wandb_project",
             "sample_every", "fsdp", "compile_sampler", "micro_batch_size", "micro_batch_tokens")
 # the flags that take one of a few words, and the numeric flags' lower bounds (0: the flag can turn a feature off)
-CHOICES = {"is_mode": ("truncate", "mask"), "kl_estimator": ("k1", "k2", "k3"), "kl_in": ("reward", "loss"),
+CHOICES = {"kl_estimator": ("k1", "k2", "k3"), "kl_in": ("reward", "loss"),
            "advantage": ADVANTAGES, "policy_loss": POLICY_LOSSES, "pg_mask": PG_MASKS,  # (the tables, as they are)
            "scale_rewards": ("group", "batch", "none"),
            "loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
