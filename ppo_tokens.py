@@ -112,7 +112,7 @@ class Config:
     is_cap: float = arg(2.0, "cap on the decoupled-PPO importance weight exp(prox_logp - behav_logp) of stale tokens")
     trace: str = arg("", "write a Chrome trace (chrome://tracing, ui.perfetto.dev) of sampler and trainer to this file")
     bench_overlap: bool = arg(False, "benchmark: run --steps iterations at --max-staleness 0, 1 and 2, print a table")
-    bench_rollout: bool = arg(False, "benchmark: our sampler vs HF generate (tokens/s): plain loop, static cache, compiled")
+    bench_rollout: bool = arg(False, "benchmark: our sampler vs HF generate (tokens/s): plain, static cache, compiled")
     static_cache: bool = arg(True, "sample with a preallocated KV cache (+ CUDA graphs); off = DynamicCache")
     compile_sampler: bool = arg(None, "torch.compile the sampler's steps (~10-90 s at start); default: where it pays")
     full_logits: bool = arg(False, "log-probs from full [tokens, vocab] logits, not the fused lm_head path")
