@@ -6,10 +6,10 @@ them; each token's reward is -kl_coef * KL(policy || reference), plus the score 
 advantages, and the clipped PPO objective updates policy and critic over a few epochs of minibatches. It follows
 "The N+ Implementation Details of RLHF with PPO" (Huang et al., 2024) and says where it differs. Each variant is one
 function plus one entry in a table: advantage estimators (ADVANTAGES: gae, reinforce++, and the critic-free grpo and
-rloo over groups of --samples-per-prompt completions), policy losses (POLICY_LOSSES: ppo, gspo, cispo) and
-policy-gradient masks (PG_MASKS). --max-staleness k: a sampler thread runs up to k policy versions ahead and decoupled
-PPO corrects for it. --env: multi-turn episodes with an environment (Gymnasium's reset / step over text), its
-observations context the loss never sees. Under torchrun the actor and critic train data-parallel (DDP, or FSDP2).
+rloo over groups of --samples-per-prompt completions) and policy losses (POLICY_LOSSES: ppo, gspo, cispo).
+--max-staleness k: a sampler thread runs up to k policy versions ahead and decoupled PPO corrects for it. --env:
+multi-turn episodes with an environment (Gymnasium's reset / step over text), its observations context the loss never
+sees. Under torchrun the actor and critic train data-parallel (DDP, or FSDP2).
 Left out: pure-bf16 weights (fp32 master weights and AdamW), paged attention / continuous batching in the sampler.
 
     python ppo_tokens.py                                  # CPU demo: a 0.6M-parameter Llama learns addition
@@ -62,7 +62,7 @@ class Config:
     max_turns: int = arg(2, "multi-turn (--env): the policy's turns per episode at most")
     env_latency: float = arg(0.0, "multi-turn: seconds each environment step waits first (a tool's latency, to bench)")
     chat_template: bool = arg(True, "wrap each prompt in the tokenizer's chat template when it has one")
-    max_prompt_length: int = arg(512, "longest prompt in tokens; longer ones are cut or refused, see --long-prompts")
+    max_prompt_length: int = arg(512, "longest prompt in tokens; longer ones keep their last tokens (warned)")
     # rollout
     steps: int = arg(0, "PPO iterations (a batch and its update each); 0 = demo: 300, 800 critic-free; --model: 1000")
     batch_size: int = arg(0, "completions per iteration; 0 = demo: 256, 64 prompts x group; --model: 64, 16 x group")
@@ -86,7 +86,6 @@ class Config:
     adam_eps: float = arg(1e-5, "AdamW epsilon (1e-5 as in the N+ details, not PyTorch's 1e-8)")
     max_grad_norm: float = arg(1.0, "gradient-norm clip, per model")
     policy_loss: str = arg("ppo", "POLICY_LOSSES: 'ppo' (clipped ratio per token), 'gspo' (per sequence), 'cispo'")
-    pg_mask: str = arg("all", "PG_MASKS: policy gradient on 'all' loss tokens or the 20%% 'top-entropy' ones")
     clip_range: float = arg(0.2, "PPO ratio clip epsilon")
     clip_range_high: float = arg(0.0, "upper ratio clip: 1 + this (DAPO's clip-higher, e.g. 0.28); 0 = --clip-range")
     value_clip_range: float = arg(0.2, "value-prediction clip around the rollout's values")
@@ -100,17 +99,12 @@ class Config:
     loss_agg: str = arg("token-mean", "'token-mean', 'seq-mean-token-mean' or 'seq-mean-token-sum-norm'")
     drop_flat_groups: bool = arg(None, "groups that all scored the same leave the loss; default: on when grouped")
     mismatch_correction: bool = arg(False, "decoupled-PPO weights on fresh tokens too (sampler drift)")
-    sampler_logprobs: bool = arg(False, "old log-probs = the sampler's: no trainer policy forward before the update "
-                                        "(verl's bypass mode); needs --max-staleness 0")
     gamma: float = arg(1.0, "GAE discount")
     lam: float = arg(0.95, "GAE lambda")
-    whiten_scores: bool = arg(False, "whiten the sequence scores over the batch before adding them to the rewards")
     missing_eos_penalty: float = arg(0.0, "subtracted from the score of a completion without EOS (e.g. 1.0)")
     # the overlapped loop (sampler thread + bounded queue + packed weight sync + off-policy correction)
     max_staleness: int = arg(0, "policy versions a batch may lag the trainer: 0 = synchronous, 1 = one-step off-policy")
-    inflight_updates: bool = arg(False, "the sampler takes new weights between decode steps (PipelineRL)")
     is_cap: float = arg(2.0, "cap on the decoupled-PPO importance weight exp(prox_logp - behav_logp) of stale tokens")
-    trace: str = arg("", "write a Chrome trace (chrome://tracing, ui.perfetto.dev) of sampler and trainer to this file")
     bench_overlap: bool = arg(False, "benchmark: run --steps iterations at --max-staleness 0, 1 and 2, print a table")
     bench_rollout: bool = arg(False, "benchmark: our sampler vs HF generate (tokens/s): plain, static cache, compiled")
     static_cache: bool = arg(True, "sample with a preallocated KV cache (+ CUDA graphs); off = DynamicCache")
@@ -131,7 +125,6 @@ class Config:
     keep_checkpoints: int = arg(2, "keep the newest this many checkpoints in --output-dir/checkpoints")
     resume: str = arg("", "bare: the newest checkpoint in --output-dir; PATH: that checkpoint or run directory")
     max_bad_steps: int = arg(3, "stop after this many consecutive updates skipped for non-finite values")
-    long_prompts: str = arg("truncate", "prompts over --max-prompt-length: 'truncate' (keep their end) or 'refuse'")
     # run
     seed: int = arg(1, "seeds model init, sampling, data order and minibatch shuffling")
     device: str = arg("auto", "'auto' (cuda if available), 'cpu', 'cuda' or 'cuda:N'")
@@ -186,7 +179,7 @@ Dist = collections.namedtuple("Dist", "rank local_rank world", defaults=(0, 0, 1
 # ----------------------------------------------------------------------------------------------------------------
 # THE ALGORITHM, in the order it runs; the PLUMBING after it is called by name. One iteration of train():
 # generate -> score_frozen (reference log-probs, the reward) -> score_trainer (old log-probs, values, rewards, an
-# ADVANTAGES estimator, a PG_MASKS mask, the staleness weights) -> ppo_update (a POLICY_LOSSES loss, value_loss) ->
+# ADVANTAGES estimator, the staleness weights) -> ppo_update (a POLICY_LOSSES loss, value_loss) ->
 # WeightSync.publish (the sampler pulls the new weights before its next batch).
 # rollout: the policy samples a completion per prompt with its own KV-cache loop
 
@@ -202,7 +195,6 @@ class Rollout:
     policy_version: torch.Tensor  # (B, T) int64: the policy version (PPO updates it contains) that sampled each token
     ended: torch.Tensor  # (B,) bool: the completion emitted a stop token (EOS) within --response-length
     kept_ids: torch.Tensor = None  # (B, T, K) ids top-k/top-p kept at each step, -1 padded; None without truncation
-    behav_entropy: torch.Tensor = None  # (B, T) the entropy of the sampler's distribution at each step
     # multi-turn (--env): the response columns hold every turn and, between them, the environment's observations,
     # which the models see but never sample, score or train on: response_mask covers the policy's tokens only
     context_mask: torch.Tensor = None  # (B, T) 1 on every real token, the observations' too; None: response_mask
@@ -215,14 +207,13 @@ class Rollout:
     ref_logprobs: torch.Tensor = None  # (B, T) under the frozen reference
     values: torch.Tensor = None  # (B, T) critic's value of the state before each token
     raw_scores: torch.Tensor = None  # (B,) sequence score of the reward model / function
-    scores: torch.Tensor = None  # (B,) the same after the missing-EOS penalty and (--whiten-scores) whitening
+    scores: torch.Tensor = None  # (B,) the same after the missing-EOS penalty
     rewards: torch.Tensor = None  # (B, T) per-token reward: -kl_coef * kl_t, plus the score on the last real token
     advantages: torch.Tensor = None  # (B, T) from the --advantage estimator (ADVANTAGES)
     returns: torch.Tensor = None  # (B, T) the critic's targets (estimators with a critic only)
     is_weight: torch.Tensor = None  # (B, T) decoupled-PPO importance weight of each token (exactly 1 when fresh)
     loss_mask: torch.Tensor = None  # (B, T) response_mask minus the flat groups dropped
     first_forward: tuple = None  # scoring's (logprobs, entropy, values) of the first minibatch, graphs kept: its update
-    pg_mask: torch.Tensor = None  # (B, T) bool: the loss tokens that get the policy gradient (--pg-mask: PG_MASKS)
     loss_rows: torch.Tensor = None  # (B, T) bool: response_mask in the rows with a loss token (the logged statistics')
     correction: dict = None  # staleness / importance-weight statistics of this batch, for the log
 
@@ -281,17 +272,17 @@ class PlainDecoder:
 
 @torch.no_grad()
 def generate(sampler, prompt_ids, prompt_mask, *, max_new_tokens, temperature, stop_ids, pad_id, generator,
-             top_k=0, top_p=1.0, vocab=None, policy_version=0, between_steps=None, budgets=None):
+             top_k=0, top_p=1.0, vocab=None, policy_version=0, stop=None, budgets=None):
     """Our own sampling loop, so that every detail is visible; each token's log-prob comes from the function the
-    trainer scores with. vocab: sample ids < vocab only (never our added pad). between_steps() -> the policy version:
-    in-flight weight updates (PipelineRL; the KV cache keeps the old weights', each token is tagged). budgets: (B,)
-    each row's most new tokens (multi-turn), else max_new_tokens for every row."""
+    trainer scores with. vocab: sample ids < vocab only (never our added pad). policy_version: the weights' version,
+    each token's tag. stop: a threading.Event, checked between steps. budgets: (B,) each row's most new tokens
+    (multi-turn), else max_new_tokens for every row."""
     limit = max_new_tokens if budgets is None else budgets
     decoder = PlainDecoder(sampler) if isinstance(sampler, nn.Module) else sampler
     logits = decoder.start(prompt_ids, prompt_mask, positions(prompt_mask))[:, :vocab]  # (B, V)
     stop_ids = torch.as_tensor(stop_ids, device=prompt_ids.device).reshape(-1)
     done = torch.zeros(prompt_ids.shape[0], dtype=torch.bool, device=prompt_ids.device)
-    tokens, masks, logprobs, entropies, kept, versions = [], [], [], [], [], []
+    tokens, masks, logprobs, kept = [], [], [], []
     for t in range(max_new_tokens):
         scaled = logits.float() / temperature  # (B, V)
         kept_ids = None
@@ -299,25 +290,22 @@ def generate(sampler, prompt_ids, prompt_mask, *, max_new_tokens, temperature, s
             scaled, kept_ids = truncate_logits(scaled, top_k, top_p)
             kept.append(kept_ids)
         token = sample_tokens(torch.softmax(scaled, -1), generator)  # (B,)
-        logprob, entropy = token_logprobs(logits, token, temperature, kept_ids=kept_ids)  # (B,) each
+        logprob, _ = token_logprobs(logits, token, temperature, kept_ids=kept_ids)  # (B,)
         alive = ~done & (t < limit)
         tokens.append(torch.where(alive, token, pad_id))
         masks.append(alive)
         logprobs.append(torch.where(alive, logprob, 0.0))
-        entropies.append(torch.where(alive, entropy, 0.0))
-        versions.append(policy_version)
         done = done | (alive & torch.isin(token, stop_ids))
         if t == max_new_tokens - 1 or (t % 4 == 3 and bool((done | (t + 1 >= limit)).all())):  # a sync every 4 steps
             break
-        if between_steps is not None:
-            policy_version = between_steps()
+        if stop is not None and stop.is_set():
+            raise InterruptedError("the run is stopping")
         logits = decoder.step(tokens[-1])[:, :vocab]
     response = torch.stack(tokens, 1)  # (B, T)
-    policy_version = torch.tensor(versions, device=response.device).expand_as(response).clone()  # (B, T)
     return Rollout(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response=response,
                    response_mask=torch.stack(masks, 1).long(), behav_logprobs=torch.stack(logprobs, 1),
-                   policy_version=policy_version, ended=done, kept_ids=torch.stack(kept, 1) if kept else None,
-                   behav_entropy=torch.stack(entropies, 1))
+                   policy_version=torch.full_like(response, policy_version), ended=done,
+                   kept_ids=torch.stack(kept, 1) if kept else None)
 
 
 def decode_completions(tokenizer, batch: Rollout):  # what a reward function reads: the text before EOS
@@ -395,8 +383,7 @@ def rollout_logprobs(model, batch: Rollout, cfg: Config, inputs=None):  # (logpr
     is_actor = isinstance(getattr(model, "module", model), Actor)  # (DDP's module)
     actor = model if is_actor else Actor(model, cfg.temperature, cfg.full_logits)
     *inputs, layout = inputs or model_inputs(batch, cfg)  # inputs: model_inputs(batch, cfg), when the caller has them
-    with torch.profiler.record_function("log-prob forward"):  # --trace's span of each (policy or reference) forward
-        return actor(*inputs, batch.response, batch.response_mask, batch.kept_ids, layout)
+    return actor(*inputs, batch.response, batch.response_mask, batch.kept_ids, layout)
 
 
 def critic_values(critic, batch: Rollout, inputs=None):  # (B, T): V(state before response token t), column P-1+t
@@ -424,7 +411,7 @@ def score_frozen(batch: Rollout, reference, reward_fn, cfg: Config):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# advantages: the KL in the reward, GAE, whitening, the estimators, the token masks, the decoupled-PPO weights
+# advantages: the KL in the reward, GAE, whitening, the estimators, the decoupled-PPO weights
 
 
 def masked_mean(x, mask, denom=None):  # mean of x over mask == 1 (or sum / denom); NaN-safe outside the mask
@@ -465,7 +452,7 @@ def kl_estimate(logprobs, ref_logprobs, estimator: str):
 def per_token_rewards(scores, kl, response_mask, kl_coef, turn_rewards=None):
     """r_t = -kl_coef * kl_t on every real token, plus the sequence score on the last real token (the mask covers
     exactly the sampled tokens up to and including EOS, so never a pad). Multi-turn: each turn's reward on its own
-    last token (turn_rewards), and the score's change by the missing-EOS penalty or whitening on the last one."""
+    last token (turn_rewards), and the score's change by the missing-EOS penalty on the last one."""
     rewards = torch.where(response_mask.bool(), -kl_coef * kl, 0.0)  # (B, T)
     last = (response_mask * torch.arange(1, response_mask.shape[1] + 1, device=kl.device)).argmax(-1, keepdim=True)
     if turn_rewards is not None:
@@ -542,71 +529,37 @@ ADVANTAGES = {"gae": Estimator(gae_advantages, critic=True, groups=False, kl_in=
               "rloo": Estimator(rloo_advantages, critic=False, groups=True, kl_in="loss")}
 
 
-# The policy-gradient masks: fn(batch, cfg) -> (B, T) bool, the loss tokens with a policy loss (the rest keep them all)
-
-
-def all_loss_tokens(batch: Rollout, cfg: Config):
-    return batch.loss_mask.bool()
-
-
-def top_entropy_tokens(batch: Rollout, cfg: Config, fraction=0.2):
-    """Only the 20% highest-entropy loss tokens (the "forking" tokens; Wang et al. 2025, "Beyond the 80/20 rule"), by
-    the proximal policy's entropy over the whole batch (all ranks')."""
-    mask = batch.loss_mask.bool()
-    k = math.ceil(round(fraction * int(all_reduce(mask.sum())), 6))  # of every rank's loss tokens
-    if k == 0:  # (after the collective: every rank takes part, also one without loss tokens)
-        return mask
-    entropy = batch.entropy[mask]
-    top = torch.full((k,), -math.inf, dtype=entropy.dtype, device=mask.device)  # this rank's k highest, -inf padded
-    top[:min(k, len(entropy))] = entropy.topk(min(k, len(entropy))).values
-    if torch.distributed.is_initialized():  # the cut over every rank's tokens: it does not depend on the world size
-        parts = [torch.empty_like(top) for _ in range(torch.distributed.get_world_size())]
-        torch.distributed.all_gather(parts, top)
-        top = torch.cat(parts)
-    return mask & (batch.entropy >= top.topk(k).values[-1])  # (topk: torch.quantile refuses over 2^24 tokens)
-
-
-PG_MASKS = {"all": all_loss_tokens, "top-entropy": top_entropy_tokens}
-
-
 @torch.no_grad()
 def score_trainer(batch: Rollout, policy, critic, cfg: Config, row_order=None, version=None):
     """Scoring with the current weights: proximal ("old") log-probs and values in the first epoch's micro-batches
-    (row_order), so that its ratio is bit-exactly 1; then rewards, ADVANTAGES, PG_MASKS and the staleness correction.
+    (row_order), so that its ratio is bit-exactly 1; then rewards, ADVANTAGES and the staleness correction.
     The first minibatch's forwards, when it is one micro-batch, keep their graphs for its update step (a forward fewer
     per model; both models' activations held till then). version: the trainer's (None: all fresh). -> per-token KL."""
     n = cfg.samples_per_prompt
     flat = flat_groups(batch.scores, n) if n > 1 else torch.zeros_like(batch.ended)  # (B,) groups without signal
     batch.loss_mask = (batch.response_mask.bool() & ~(flat & cfg.drop_flat_groups)[:, None]).long()  # (B, T)
     batch.loss_rows = batch.response_mask.bool() & batch.loss_mask.bool().any(1, keepdim=True)  # (B, T)
-    # --sampler-logprobs (verl's bypass mode): at staleness 0 the sampler held these weights, so its log-probs and
-    # entropies are the old ones, without a policy forward; exact where its numerics are the trainer's (README)
     batch.old_logprobs = batch.behav_logprobs.clone()  # (rows skipped keep the sampler's values; nothing reads them)
-    batch.entropy = batch.behav_entropy.clone() if cfg.sampler_logprobs else torch.zeros_like(batch.behav_logprobs)
+    batch.entropy = torch.zeros_like(batch.behav_logprobs)
     batch.values = torch.zeros_like(batch.behav_logprobs, dtype=torch.float32)  # the critic's output is fp32
-    if critic is not None or not cfg.sampler_logprobs:
-        row_order = torch.arange(len(batch.response)) if row_order is None else row_order
-        micro = micro_batch_rows(batch, update_minibatches(batch, cfg, [row_order]), cfg, ranks_agree=True)
-        for k, rows in enumerate(itertools.chain(*micro)):
-            mb, keep = batch.rows(rows), k == 0 and len(micro[0]) == 1
-            inputs = model_inputs(mb, cfg)  # packed once for both models
-            with torch.set_grad_enabled(keep), autocast(cfg, batch.response.device):
-                logprobs, entropy = (None, None) if cfg.sampler_logprobs else rollout_logprobs(policy, mb, cfg, inputs)
-                values = None if critic is None else critic_values(critic, mb, inputs)
-            if keep:
-                batch.first_forward = (logprobs, entropy, values)
-            if logprobs is not None:
-                batch.old_logprobs[rows], batch.entropy[rows] = logprobs.detach(), entropy.detach()
-            if values is not None:
-                batch.values[rows] = values.detach()
-    if cfg.whiten_scores:  # here, not in the producer: under torchrun it is a collective, which only this thread runs
-        batch.scores = masked_whiten(batch.scores, torch.ones_like(batch.scores))
+    row_order = torch.arange(len(batch.response)) if row_order is None else row_order
+    micro = micro_batch_rows(batch, update_minibatches(batch, cfg, [row_order]), cfg, ranks_agree=True)
+    for k, rows in enumerate(itertools.chain(*micro)):
+        mb, keep = batch.rows(rows), k == 0 and len(micro[0]) == 1
+        inputs = model_inputs(mb, cfg)  # packed once for both models
+        with torch.set_grad_enabled(keep), autocast(cfg, batch.response.device):
+            logprobs, entropy = rollout_logprobs(policy, mb, cfg, inputs)
+            values = None if critic is None else critic_values(critic, mb, inputs)
+        if keep:
+            batch.first_forward = (logprobs, entropy, values)
+        batch.old_logprobs[rows], batch.entropy[rows] = logprobs.detach(), entropy.detach()
+        if values is not None:
+            batch.values[rows] = values.detach()
     kl = kl_estimate(batch.old_logprobs, batch.ref_logprobs, cfg.kl_estimator)
     kl = torch.where(batch.response_mask.bool(), kl, 0.0)  # (B, T)
     reward_kl_coef = cfg.kl_coef if cfg.kl_in == "reward" else 0.0  # (--kl-in loss: micro_step adds it)
     batch.rewards = per_token_rewards(batch.scores, kl, batch.response_mask, reward_kl_coef, batch.turn_rewards)
     batch.advantages, batch.returns = ADVANTAGES[cfg.advantage].fn(batch, cfg)
-    batch.pg_mask = PG_MASKS[cfg.pg_mask](batch, cfg)
     off_policy_correction(batch, cfg, version)
     if n > 1:  # groups without signal: counted (and with --drop-flat-groups out of the loss)
         batch.correction["zero_std_groups"] = int(flat.sum()) // n
@@ -621,9 +574,7 @@ def off_policy_correction(batch: Rollout, cfg: Config, version=None):
     mask = batch.response_mask.bool()
     in_loss = batch.loss_rows  # what the statistics cover: a row skipped (skip_loss_free_rows) has no prox log-probs
     age = torch.zeros_like(batch.policy_version) if version is None else version - batch.policy_version  # (B, T)
-    # fresh = the whole row, prompt pass included, ran on the trainer's weights (versions only grow along a row: an
-    # in-flight update leaves the older weights' KV cache behind the newer tokens, so those are not fresh)
-    fresh = (age[:, :1] == 0).expand_as(age) & (not cfg.mismatch_correction)
+    fresh = (age == 0) & (not cfg.mismatch_correction)  # sampled with the trainer's weights
     log_ratio = batch.old_logprobs - batch.behav_logprobs  # log pi_prox / pi_behav
     weight = torch.where(fresh, 1.0, torch.exp(log_ratio))
     capped = mask & (weight > cfg.is_cap)
@@ -641,14 +592,11 @@ def off_policy_correction(batch: Rollout, cfg: Config, version=None):
                         "behav_prox_mean_diff": means[3],
                         "behav_prox_kl": means[4],
                         "tokens_dropped": int((mask & ~batch.loss_mask.bool()).sum())}
-    if cfg.sampler_logprobs:  # old = behav: these are 0; ppo_update measures the mismatch on its first minibatch
-        for name in ("behav_prox_max_diff", "behav_prox_mean_diff", "behav_prox_kl"):
-            del batch.correction[name]
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # the losses. A policy loss is fn(logprobs, mb, cfg) -> (per-token loss (b, T), per-token statistics); policy_objective
-# applies what every loss shares: the staleness weight, the policy-gradient mask, the aggregation.
+# applies what every loss shares: the staleness weight, the loss mask, the aggregation.
 
 
 def clipped_surrogate(ratio, advantages, cfg: Config):
@@ -698,7 +646,7 @@ def policy_objective(logprobs, mb: Rollout, cfg: Config, share: Share = Share())
     token_loss, token_stats = POLICY_LOSSES[cfg.policy_loss](logprobs, mb, cfg)
     if mb.is_weight is not None:
         token_loss = token_loss * mb.is_weight
-    loss = aggregate(token_loss, mb.pg_mask, share)
+    loss = aggregate(token_loss, mb.loss_mask, share)
     with torch.no_grad():
         log_ratio = logprobs - mb.old_logprobs
         stats = {k: masked_mean(v.to(logprobs.dtype), mb.loss_mask, share.tokens) for k, v in token_stats.items()}
@@ -746,7 +694,6 @@ def ppo_update(policy, critic, policy_opt, critic_opt, batch: Rollout, cfg: Conf
     sums = {}  # each logged statistic, summed over the optimizer steps
     n_steps = 0
     first_ratio_max_dev = torch.zeros(())
-    first_kl = 0.0
     models = [m for m in (policy, critic) if m is not None]
     optimizers = [o for o in (policy_opt, critic_opt) if o is not None]
     minibatches = update_minibatches(batch, cfg, row_orders[:cfg.ppo_epochs])  # epoch by epoch
@@ -762,7 +709,6 @@ def ppo_update(policy, critic, policy_opt, critic_opt, batch: Rollout, cfg: Conf
             ratio_max_dev = step_stats.pop("ratio_max_dev")
             if n_steps == 0:  # the first minibatch: the weights are the ones scoring used, so this is 0 (see below)
                 first_ratio_max_dev = torch.maximum(first_ratio_max_dev, ratio_max_dev)
-                first_kl = first_kl + step_stats["approx_kl"]
             for k, v in step_stats.items():  # micro-batch shares add up to minibatch means; .item() only at the end
                 sums[k] = sums.get(k, 0.0) + v.detach()
         if empty[i]:  # not a loss token on any rank (all dropped): no optimizer step, as if it were not there
@@ -787,10 +733,7 @@ def ppo_update(policy, critic, policy_opt, critic_opt, batch: Rollout, cfg: Conf
             optimizer.zero_grad(set_to_none=True)
         n_steps += 1
     means = {k: float(v) / max(1, n_steps) for k, v in sums.items()}
-    # --sampler-logprobs: the first minibatch's ratio is pi_trainer / pi_sampler at the same weights, so its max |r - 1|
-    # and its k3 KL(sampler || trainer) measure the mismatch that off_policy_correction's behav_prox_* measure otherwise
-    mismatch = {"behav_prox_kl": float(first_kl)} if cfg.sampler_logprobs else {}
-    return {**means, "first_ratio_max_dev": float(first_ratio_max_dev), **mismatch}
+    return {**means, "first_ratio_max_dev": float(first_ratio_max_dev)}
 
 
 def update_minibatches(batch: Rollout, cfg: Config, row_orders):
@@ -863,7 +806,7 @@ def loss_denominators(batch: Rollout, minibatches, cfg: Config):
 
 
 def train(cfg: Config, run, output_dir: str, threaded=None, ctx: Dist = Dist()):
-    """threaded=None: a sampler thread iff --max-staleness > 0 or --inflight-updates (at staleness 0 it gives the
+    """threaded=None: a sampler thread iff --max-staleness > 0 (at staleness 0 it gives the
     inline loop's result to the bit). Version v = the weights after v updates: batch i is sampled with version >=
     i - max_staleness (Producer waits for it); the trainer scores and updates with version step - 1, then publishes
     version step. A --resume at staleness 0 ends at the uninterrupted run's weights."""
@@ -879,12 +822,12 @@ def train(cfg: Config, run, output_dir: str, threaded=None, ctx: Dist = Dist()):
         t.producer = Producer(t)
         t.window_start = time.time()  # an iteration's window ends at the end of the next
         t.run_start = t.window_start - t.elapsed
-        t.tracer.take()
+        t.timer.take()
         for step in range(t.start + 1, cfg.steps + 1):
             # 1. the next batch: sampled by the sampler, scored by the reference and the reward (make_batch)
             batch = t.producer.get()
             # 2. scored with the current weights: old log-probs, values, rewards, advantages, staleness weights
-            with t.tracer.span("score: old log-probs, values", "trainer"):
+            with t.timer.span("score: old log-probs, values", "trainer"):
                 shuffle = [torch.randperm(len(batch.response), generator=t.shuffle_generator)
                            for _ in range(cfg.ppo_epochs)]  # each epoch's row order; the first one also scores
                 kl = score_trainer(batch, t.actor, t.critic, cfg, shuffle[0], version=step - 1)
@@ -896,7 +839,7 @@ def train(cfg: Config, run, output_dir: str, threaded=None, ctx: Dist = Dist()):
                     torch.distributed.all_gather_object(problems, problem)
                     problem = "; ".join(f"rank {r}: {p}" for r, p in enumerate(problems) if p)
             # 3. the PPO update: --ppo-epochs x --minibatches clipped steps of the policy and the critic
-            with t.tracer.span("update", "trainer"):
+            with t.timer.span("update", "trainer"):
                 update_start = time.time()
                 lr = t.schedules[0].get_last_lr()[0]  # the learning rate this update uses
                 stats = ppo_update(t.actor, t.critic, *t.optimizers, batch, cfg, shuffle) if problem is None else {}
@@ -905,7 +848,7 @@ def train(cfg: Config, run, output_dir: str, threaded=None, ctx: Dist = Dist()):
                     schedule.step()
                 update_s = time.time() - update_start
             # 4. the new weights become version `step`; the sampler pulls them before its next batch (make_batch)
-            with t.tracer.span("publish weights", "trainer"):
+            with t.timer.span("publish weights", "trainer"):
                 t.sync.publish(step)
                 sync_ms = t.sync.sync_ms()
             # 5. log the iteration, evaluate, checkpoint; or skip the update (the weights stay finite) and count it
@@ -961,8 +904,7 @@ def setup(cfg: Config, ctx: Dist = Dist()):
         run["prompt_texts"] = [addition_prompt(a, b) for a, b in train_pairs]
         run["eval_texts"] = [addition_prompt(a, b) for a, b in pairs[:cfg.eval_size]]
         run["eval_ids"] = format_prompts(tokenizer, run["eval_texts"], cfg.chat_template, cfg.max_prompt_length)
-    run["prompt_ids"] = format_prompts(tokenizer, run["prompt_texts"], cfg.chat_template, cfg.max_prompt_length,
-                                       cfg.long_prompts)
+    run["prompt_ids"] = format_prompts(tokenizer, run["prompt_texts"], cfg.chat_template, cfg.max_prompt_length)
     longest = max(map(len, run["prompt_ids"]))
     context = getattr(policy.config, "max_position_embeddings", None)
     if context and longest + cfg.response_length > context:
@@ -1241,8 +1183,8 @@ def load_env(spec: str):  # -> the factory, checked once: it makes an environmen
     return factory
 
 
-def format_prompts(tokenizer, texts, use_chat_template: bool, max_prompt_length: int, long_prompts="truncate"):
-    """Token ids per prompt, in the chat template if any; long ones keep their last tokens (the question), or fail."""
+def format_prompts(tokenizer, texts, use_chat_template: bool, max_prompt_length: int):
+    """Token ids per prompt, in the chat template if any; long ones keep their last tokens (the question)."""
     if use_chat_template and getattr(tokenizer, "chat_template", None):
         texts = [tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
                                                add_generation_prompt=True) for t in texts]
@@ -1254,9 +1196,6 @@ def format_prompts(tokenizer, texts, use_chat_template: bool, max_prompt_length:
         raise SystemExit(f"{len(empty)} of {len(ids)} prompts are no tokens to the tokenizer (the first is prompt "
                          f"{empty[0] + 1}, {texts[empty[0]]!r}); remove them, or use a chat template or a BOS")
     cut = [i for i, x in enumerate(ids) if len(x) > max_prompt_length]
-    if cut and long_prompts == "refuse":
-        raise SystemExit(f"{len(cut)} of {len(ids)} prompts are longer than --max-prompt-length {max_prompt_length} "
-                         f"tokens (the first is prompt {cut[0] + 1}); raise it, or pass --long-prompts truncate")
     if cut:
         print(f"warning: {len(cut)} of {len(ids)} prompts are longer than --max-prompt-length {max_prompt_length} "
               "tokens and keep only their last tokens")
@@ -1277,7 +1216,7 @@ def prompt_order(n: int, seed: int, start: int = 0):  # endless epochs, each a f
 
 def sampling_args(cfg: Config, pad_id: int, stop_ids, vocab=None) -> dict:  # generate()'s keyword arguments
     return dict(max_new_tokens=cfg.response_length, temperature=cfg.temperature, stop_ids=stop_ids, pad_id=pad_id,
-                top_k=cfg.top_k, top_p=cfg.top_p, vocab=vocab)
+                top_k=cfg.top_k, top_p=cfg.top_p, vocab=vocab, policy_version=0)
 
 
 @torch.no_grad()
@@ -1412,15 +1351,13 @@ def run_episodes(decoder, envs, texts, seeds, tokenizer, cfg: Config, pool=None,
             raise TypeError("it must return (the first observation, a str; info)")
     except Exception as e:  # (no episode has begun: nothing to keep)
         raise SystemExit(f"--env: reset() raised {type(e).__name__}: {e}")
-    prompts = format_prompts(tokenizer, first, cfg.chat_template, cfg.max_prompt_length, cfg.long_prompts)
+    prompts = format_prompts(tokenizer, first, cfg.chat_template, cfg.max_prompt_length)
     chat = cfg.chat_template and getattr(tokenizer, "chat_template", None) is not None
-    pieces = [[] for _ in range(B)]  # per row: (ids, policy mask, log-probs, entropies, versions, kept ids) chunks
+    pieces = [[] for _ in range(B)]  # per row: (ids, policy mask, log-probs, kept ids) chunks
     contexts = [list(p) for p in prompts]  # per row: the conversation so far, the next turn's prompt
     used, rewards, ended, errors = [0] * B, [[] for _ in range(B)], [False] * B, [None] * B
     active, device = list(range(B)), sampling["generator"].device
     for turn in range(cfg.max_turns):
-        if turn and sampling.get("between_steps"):  # the version the next turn's tokens (and prefill) come from
-            sampling["policy_version"] = sampling["between_steps"]()
         budget = [T - used[r] for r in active]
         ids, mask = left_pad([contexts[r] for r in active], pad, device)
         model = decoder
@@ -1439,7 +1376,7 @@ def run_episodes(decoder, envs, texts, seeds, tokenizer, cfg: Config, pool=None,
                                                        out.ended.tolist())):  # (the host reads once a turn)
             kept = None if out.kept_ids is None else out.kept_ids[i, :n]
             pieces[r].append((out.response[i, :n], torch.ones(n, dtype=torch.long, device=device),
-                              out.behav_logprobs[i, :n], out.behav_entropy[i, :n], out.policy_version[i, :n], kept))
+                              out.behav_logprobs[i, :n], kept))
             used[r], ended[r], contexts[r] = used[r] + n, stop, contexts[r] + turn_ids[:n]
             facts.append({"completion_ids": turn_ids[:n - stop], "ended": stop})
             actions.append(tokenizer.decode(facts[-1]["completion_ids"], skip_special_tokens=True))
@@ -1460,10 +1397,9 @@ def run_episodes(decoder, envs, texts, seeds, tokenizer, cfg: Config, pool=None,
             n, last = len(obs), pieces[r][-1]
             used[r], contexts[r] = used[r] + n, contexts[r] + obs
             obs = torch.tensor(obs, dtype=torch.long, device=device)  # (its kept ids: itself, -1 padded)
-            width = None if last[5] is None else last[5].shape[1]
+            width = None if last[3] is None else last[3].shape[1]
             kept = None if width is None else torch.cat([obs[:, None], obs.new_full((n, width - 1), -1)], 1)
-            zeros = torch.zeros(n, device=device)
-            pieces[r].append((obs, zeros.long(), zeros, zeros, last[4][-1:].expand(n), kept))
+            pieces[r].append((obs, torch.zeros_like(obs), torch.zeros(n, device=device), kept))
             still.append(r)
         active = still
         if not active:
@@ -1477,10 +1413,10 @@ def run_episodes(decoder, envs, texts, seeds, tokenizer, cfg: Config, pool=None,
         for r, x in enumerate(rows):
             out[r, :len(x)] = x
         return out
-    response = field(0, pad)
+    response, kept_ids = field(0, pad), None if pieces[0][0][3] is None else field(3, -1)
     batch = Rollout(*left_pad(prompts, pad, device), response=response, response_mask=field(1, 0),
-                    behav_logprobs=field(2, 0.0), policy_version=field(4, 0), ended=torch.tensor(ended, device=device),
-                    kept_ids=None if pieces[0][0][5] is None else field(5, -1), behav_entropy=field(3, 0.0))
+                    behav_logprobs=field(2, 0.0), policy_version=torch.full_like(response, sampling["policy_version"]),
+                    ended=torch.tensor(ended, device=device), kept_ids=kept_ids)
     batch.context_mask = (torch.arange(T, device=device) < torch.tensor(used, device=device)[:, None]).long()
     batch.turn_rewards = torch.zeros(B, T, device=device)
     for r, turns in enumerate(rewards):
@@ -1679,36 +1615,24 @@ class WeightSync:
                 self.lock.wait(0.05)
 
 
-class Tracer:
-    """Busy and waiting seconds of both threads per iteration; with --trace the profiler timeline of iterations 2-3."""
+class Timer:
+    """Busy and waiting seconds of both threads per iteration (the log's trainer_busy_s, sampler_wait_s, ...)."""
 
-    def __init__(self, path: str):
+    def __init__(self):
         self.totals = {}  # busy / wait seconds per side since the last take()
         self.lock = threading.Lock()
-        self.profiler = None
-        if path:
-            self.profiler = torch.profiler.profile(
-                activities=torch.profiler.supported_activities(),  # CPU, and CUDA where there is one
-                schedule=torch.profiler.schedule(wait=1, warmup=1, active=2, repeat=1),  # a long run's stays small
-                on_trace_ready=lambda profiler: profiler.export_chrome_trace(path),
-                # every thread: the sampler thread's spans too (by default the profiler sees only the one starting it)
-                experimental_config=torch.profiler._ExperimentalConfig(profile_all_threads=True))
-            self.profiler.start()
 
     @contextlib.contextmanager
     def span(self, name: str, side: str):  # side: "trainer" or "sampler"; names "wait..." count as waiting
         start = time.perf_counter()
         try:
-            with torch.profiler.record_function(name):
-                yield
+            yield
         finally:
             key = f"{side}_{'wait' if name.startswith('wait') else 'busy'}_s"
             with self.lock:
                 self.totals[key] = self.totals.get(key, 0.0) + time.perf_counter() - start
 
-    def take(self) -> dict:  # the totals since the last take, once per iteration (the profiler's step)
-        if self.profiler is not None:
-            self.profiler.step()
+    def take(self) -> dict:  # the totals since the last take, once per iteration
         with self.lock:
             totals, self.totals = self.totals, {}
         return totals
@@ -1735,7 +1659,7 @@ class Producer:
             self.thread.start()
 
     def _produce(self, i: int):
-        with self.t.tracer.span("wait for weights", "sampler"):
+        with self.t.timer.span("wait for weights", "sampler"):
             self.t.sync.wait_for(i - self.t.cfg.max_staleness, self.stop)
         with torch.cuda.stream(self.stream):  # None (CPU): a no-op
             return make_batch(self.t, i, self.stop)
@@ -1748,7 +1672,7 @@ class Producer:
         try:
             for i in range(self.t.start, self.t.cfg.steps):
                 batch = self._produce(i)
-                with self.t.tracer.span("wait for queue space", "sampler"):
+                with self.t.timer.span("wait for queue space", "sampler"):
                     self._put(batch)
         except BaseException as e:  # SystemExit from a reward check too: hand it to the trainer
             self._put(e)
@@ -1765,7 +1689,7 @@ class Producer:
             item = self._produce(self.next_index)
             self.next_index += 1
         else:
-            with self.t.tracer.span("wait for a batch", "trainer"):  # _run puts every batch, or its exception
+            with self.t.timer.span("wait for a batch", "trainer"):  # _run puts every batch, or its exception
                 item = self.queue.get()
         if isinstance(item, BaseException):
             raise item
@@ -1828,21 +1752,17 @@ class Training:
     order: object = None  # the prompt order: an endless iterator of prompt indices
     decoder: object = None  # what the sampler generates with (fast_decoder)
     logger: object = None
-    tracer: Tracer = None
+    timer: Timer = None
     producer: Producer = None
     pool: object = None  # --env: the threads the environments step in
     run_start: float = 0.0  # time.time() at which the run (before a resume included) started
     window_start: float = 0.0  # the end of the last iteration: an iteration's window ends at the end of the next
 
-    def close(self):  # on the way out, also on an error or Ctrl-C: stop and join the sampler, write the trace and log
+    def close(self):  # on the way out, also on an error or Ctrl-C: stop and join the sampler, close the log
         if self.producer is not None:
             self.producer.close()
         if self.pool is not None:
             self.pool.shutdown(wait=False, cancel_futures=True)
-        if self.tracer.profiler is not None:  # the trace of what the profiler's schedule recorded so far
-            self.tracer.profiler.stop()
-            if not os.path.exists(self.cfg.trace):  # (the schedule writes it once iteration 3 is done)
-                print(f"--trace: no trace written to {self.cfg.trace}: the run ended before iteration 3")
         self.logger.close()
 
 
@@ -1870,7 +1790,7 @@ def start_training(cfg: Config, run, output_dir: str, threaded, ctx: Dist) -> Tr
 
     # the same prompt order on every rank, each taking its slice; sampling differs per rank (a seed offset)
     rank_rows = slice(ctx.rank * cfg.batch_size // ctx.world, (ctx.rank + 1) * cfg.batch_size // ctx.world)
-    threaded = (cfg.max_staleness > 0 or cfg.inflight_updates) if threaded is None else threaded
+    threaded = cfg.max_staleness > 0 if threaded is None else threaded
     t = Training(cfg, run, ctx, output_dir, actor, critic, (policy_opt, critic_opt), schedules, sync,
                  evaluator if evaluator is not None else policy, rank_rows,
                  torch.Generator(device).manual_seed(cfg.seed + 1_000_003 * ctx.rank),
@@ -1897,7 +1817,7 @@ def start_training(cfg: Config, run, output_dir: str, threaded, ctx: Dist) -> Tr
     if ctx.rank == 0:
         write_file(os.path.join(output_dir, "config.json"), json.dumps(dataclasses.asdict(cfg), indent=2))
     t.logger = Logger(cfg, output_dir, enabled=ctx.rank == 0)
-    t.tracer = Tracer(cfg.trace if ctx.rank == 0 else "")
+    t.timer = Timer()
     t.order = prompt_order(len(run.prompt_ids), cfg.seed, start=t.start * (cfg.batch_size // cfg.samples_per_prompt))
     t.decoder = sampler
     if run.env is not None:  # a tool call mostly waits: as many threads as rows
@@ -1913,19 +1833,15 @@ def start_training(cfg: Config, run, output_dir: str, threaded, ctx: Dist) -> Tr
 def make_batch(t: Training, i: int, stop: threading.Event) -> Rollout:
     """The producer's work for batch i (in the sampler thread when the loop overlaps): sample, score (frozen models)."""
     cfg, run = t.cfg, t.run
-    with t.tracer.span("generate", "sampler"):
+    with t.timer.span("generate", "sampler"):
         t0 = time.perf_counter()
         version = t.sync.pull()
         prompts = [next(t.order) for _ in range(cfg.batch_size // cfg.samples_per_prompt)]
         # each prompt --samples-per-prompt times, side by side (a group: grpo, rloo), every rank whole groups
         rows = [p for p in prompts for _ in range(cfg.samples_per_prompt)][t.rank_rows]
 
-        def next_version():  # stop promptly when the run stops; the next token's version (inflight: the newest)
-            if stop.is_set():
-                raise InterruptedError("the run is stopping")
-            return t.sync.pull() if cfg.inflight_updates else version
         args = dict(sampling_args(cfg, run.tokenizer.pad_token_id, run.stop_ids, run.vocab),
-                    generator=t.sample_generator, policy_version=version, between_steps=next_version)
+                    generator=t.sample_generator, policy_version=version, stop=stop)
         texts = [run.prompt_texts[r] for r in rows]
         if run.env is None:
             ids, mask = left_pad([run.prompt_ids[r] for r in rows], run.tokenizer.pad_token_id, run.policy.device)
@@ -1946,7 +1862,7 @@ def make_batch(t: Training, i: int, stop: threading.Event) -> Rollout:
         batch.prompts = texts
         batch.gen_s = time.perf_counter() - t0
         batch.sampler_rng = t.sample_generator.get_state()  # the state after this batch, for a checkpoint
-    with t.tracer.span("score: reference, reward", "sampler"):
+    with t.timer.span("score: reference, reward", "sampler"):
         score_frozen(batch, run.reference, run.reward_fn, cfg)
         if run.policy.device.type == "cuda":
             torch.cuda.current_stream().synchronize()  # the batch is complete before the trainer's stream reads it
@@ -1959,13 +1875,13 @@ def log_iteration(t: Training, step: int, batch: Rollout, kl, stats: dict, lr: f
     t.bad_steps = 0
     scores = {}
     if t.run.eval_ids is not None and (step % cfg.eval_every == 0 or step == cfg.steps) and t.ctx.rank == 0:
-        with t.tracer.span("evaluate", "trainer"):  # the last published weights
+        with t.timer.span("evaluate", "trainer"):  # the last published weights
             scores = evaluate(t.evaluator, t.run.tokenizer, t.run.eval_ids, t.run.eval_texts, cfg, cfg.seed + 2,
                               t.run.env)
     now = time.time()
     iter_s = now - t.window_start
     busy = {f"{side}_{what}_s": 0.0 for side in ("trainer", "sampler") for what in ("busy", "wait")}
-    busy.update(t.tracer.take())  # each thread's busy and waiting seconds in this iteration
+    busy.update(t.timer.take())  # each thread's busy and waiting seconds in this iteration
     B, P, T = batch.response.shape[0], batch.prompt_ids.shape[1], batch.response.shape[1]
     response_tokens = int(batch.response_mask.sum())  # the policy's (--env: not the observations')
     sequence_tokens = int(full_sequence(batch)[1].sum())
@@ -2331,14 +2247,14 @@ def bench_rollout(cfg: Config):
 
 # flags a resumed run may change (micro-batching: the loss is the same however a minibatch is split, and a packing
 # check that fell back wrote its padded micro-batches into the config); every other flag must match the checkpoint's
-RUN_ONLY = ("resume", "output_dir", "save_every", "keep_checkpoints", "max_bad_steps", "trace", "wandb_project",
+RUN_ONLY = ("resume", "output_dir", "save_every", "keep_checkpoints", "max_bad_steps", "wandb_project",
             "sample_every", "fsdp", "compile_sampler", "micro_batch_size", "micro_batch_tokens")
 # the flags that take one of a few words, and the numeric flags' lower bounds (0: the flag can turn a feature off)
 CHOICES = {"kl_estimator": ("k1", "k2", "k3"), "kl_in": ("reward", "loss"),
-           "advantage": ADVANTAGES, "policy_loss": POLICY_LOSSES, "pg_mask": PG_MASKS,  # (the tables, as they are)
+           "advantage": ADVANTAGES, "policy_loss": POLICY_LOSSES,  # (the tables, as they are)
            "scale_rewards": ("group", "batch", "none"),
            "loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
-           "dtype": ("float32", "bfloat16"), "long_prompts": ("truncate", "refuse")}
+           "dtype": ("float32", "bfloat16")}
 LOWER_BOUNDS = {"steps": 1, "batch_size": 1, "response_length": 1, "ppo_epochs": 1, "minibatches": 1, "eval_every": 1,
                 "samples_per_prompt": 1, "keep_checkpoints": 1, "max_bad_steps": 1, "is_cap": 1, "max_staleness": 0,
                 "clip_range_high": 0, "save_every": 0, "micro_batch_tokens": 0, "max_turns": 1, "env_latency": 0}
@@ -2424,11 +2340,6 @@ def check_config(cfg: Config):
                (not cfg.prompts or os.path.isfile(cfg.prompts), f"--prompts {cfg.prompts}: no such file"),
                (not cfg.reward_model or os.path.isdir(cfg.reward_model),
                 f"--reward-model {cfg.reward_model}: no such directory"),
-               (not (cfg.sampler_logprobs and (cfg.max_staleness or cfg.inflight_updates or cfg.bench_overlap)),
-                "--sampler-logprobs needs fresh tokens: drop --max-staleness, --inflight-updates and --bench-overlap "
-                "(stale tokens need the trainer's proximal forward)"),
-               (not (cfg.sampler_logprobs and cfg.mismatch_correction), "--sampler-logprobs makes the old log-probs "
-                "the sampler's, so --mismatch-correction's weight is 1: drop one (the mismatch stays logged)"),
                (cfg.static_cache or not cfg.compile_sampler,
                 "--compile-sampler needs the static cache: drop --no-static-cache"),
                (not (cfg.bench_overlap or cfg.bench_rollout) or world == 1,

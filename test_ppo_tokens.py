@@ -525,14 +525,17 @@ def test_kl_in_the_reward_and_identical_reference_gives_zero_kl(tokenizer):
     assert (kl >= 0).all() and float(kl.max()) > 0
 
 
-def test_missing_eos_penalty_and_score_whitening(tokenizer):
+def test_long_prompts_keep_their_last_tokens_with_a_warning(tokenizer, capsys):
+    ids = pt.format_prompts(tokenizer, ["12+34=", "1+2="], False, 5)
+    assert ids == [tokenizer("12+34=")["input_ids"][-5:], tokenizer("1+2=")["input_ids"]]
+    assert "1 of 2 prompts are longer than --max-prompt-length 5 tokens" in capsys.readouterr().out
+
+
+def test_missing_eos_penalty(tokenizer):
     cfg, policy, reference, critic, batch = tiny_setup(tokenizer, missing_eos_penalty=0.5)
     batch.ended = torch.tensor([True, False] * 4)
     score(batch, policy, reference, critic, constant_reward(1.0), cfg)
     assert batch.scores.tolist() == [1.0, 0.5] * 4
-    cfg.whiten_scores = True
-    score(batch, policy, reference, critic, lambda b: torch.arange(8.0), cfg)
-    assert abs(float(batch.scores.mean())) < 1e-6 and abs(float(batch.scores.std()) - 1) < 1e-4
 
 
 def test_importance_weights_are_exactly_one_for_fresh_tokens_and_truncated_for_stale_ones(tokenizer):
@@ -613,9 +616,8 @@ def test_mismatch_correction_weights_fresh_tokens_too_and_logs_the_mismatch(toke
 # the losses: policy loss, value loss, explained variance, loss denominators, the decoupled loss
 
 
-def objective(logp, old, adv, mask, share=pt.Share(), is_weight=None, pg_mask=None, **cfg):  # policy_objective
-    mb = SimpleNamespace(old_logprobs=old, advantages=adv, loss_mask=mask, is_weight=is_weight,
-                         pg_mask=mask if pg_mask is None else pg_mask)  # (score_trainer's PG_MASKS mask)
+def objective(logp, old, adv, mask, share=pt.Share(), is_weight=None, **cfg):  # policy_objective
+    mb = SimpleNamespace(old_logprobs=old, advantages=adv, loss_mask=mask, is_weight=is_weight)
     return pt.policy_objective(logp, mb, pt.Config(**cfg), share)
 
 
@@ -756,27 +758,6 @@ def test_ratio_is_exactly_one_on_the_first_minibatch(tokenizer):
     stats = pt.ppo_update(policy, critic, *opts, batch, cfg, orders)
     assert stats["first_ratio_max_dev"] == 0.0
     assert stats["approx_kl"] > 0  # the later minibatches did move the policy
-
-
-@pytest.mark.parametrize("flags", [{}, {"advantage": "grpo", "samples_per_prompt": 4}, {"pg_mask": "top-entropy"}])
-def test_sampler_logprobs_give_the_update_of_the_rescored_old_logprobs(tokenizer, flags):
-    """--sampler-logprobs at staleness 0 on CPU fp32 (the sampler's numerics are the trainer's): the sampler's
-    log-probs and entropies as the old ones give the re-forward's update (gae with its critic, critic-free grpo, the
-    top-entropy mask from the sampler's entropies); the first minibatch then measures the mismatch."""
-    flags = {"minibatches": 2, "ppo_epochs": 2, "micro_batch_size": 2, "max_grad_norm": 1.0, **flags}
-    (stats, batch, step), (reused_stats, reused, reused_step) = [variant_update(tokenizer, sampler_logprobs=s, **flags)
-                                                                 for s in (False, True)]
-    mask = batch.response_mask.bool()
-    assert torch.equal(reused.old_logprobs, reused.behav_logprobs) and torch.equal(reused.values, batch.values)
-    torch.testing.assert_close(reused.old_logprobs[mask], batch.old_logprobs[mask], rtol=0, atol=1e-5)
-    torch.testing.assert_close(reused.entropy[mask], batch.entropy[mask], rtol=0, atol=1e-5)
-    assert torch.equal(reused.pg_mask, batch.pg_mask)  # top-entropy: the same 20% of the tokens
-    for rescored_step, reused_step in zip(step, reused_step):
-        torch.testing.assert_close(reused_step, rescored_step, rtol=1e-5, atol=1e-5)
-    assert max(float(a.abs().max()) for a in step) > 1e-2  # (it did move)
-    assert stats["first_ratio_max_dev"] == 0.0 and "behav_prox_kl" not in stats and "behav_prox_kl" in batch.correction
-    assert 0.0 <= reused_stats["first_ratio_max_dev"] < 1e-5 and 0.0 <= reused_stats["behav_prox_kl"] < 1e-10
-    assert not any(k.startswith("behav_prox") for k in reused.correction)  # (0 by construction: measured above)
 
 
 def sgd_update(tokenizer, prepare=None, edit_batch=None, **cfg_overrides):  # one ppo_update with plain SGD (lr 1)
@@ -1275,79 +1256,17 @@ def test_staleness_zero_with_the_thread_equals_the_synchronous_loop(tmp_path, mo
     assert plain[-1]["approx_kl"] > 0 and plain[0]["reward_mean"] != plain[-1]["reward_mean"]  # it did train
 
 
-@pytest.mark.parametrize("advantage", [["--advantage", "gae"],  # grpo: every group in, so both runs score all rows
-                                       ["--advantage", "grpo", "--samples-per-prompt", "4", "--no-drop-flat-groups"]])
-def test_sampler_logprobs_run_one_policy_forward_fewer_per_micro_batch_of_scoring(tmp_path, advantage):
-    """--trace's timeline (iterations 2 and 3) counts the log-prob forwards: the reference's, scoring's (one per
-    micro-batch of the first epoch: --minibatches 2 here), the update's but the first minibatch's (it has scoring's
-    graph); --sampler-logprobs drops scoring's, and the update then runs its first minibatch's: one fewer."""
-    base = ["--steps", "4", "--batch-size", "16", "--minibatches", "2", "--demo-warmup-steps", "0", "--eval-every",
-            "100", "--eval-size", "40", "--sample-every", "0", "--demo-hidden", "32", "--demo-layers", "1", "--device",
-            "cpu", "--demo-cache", str(tmp_path / "cache"), "--reward", "count_ones:score", *advantage]
-    write_reward_module(tmp_path)
-    forwards = []
-    for flag in ([], ["--sampler-logprobs"]):
-        out = tmp_path / f"run{len(flag)}"
-        run_script([*base, *flag, "--trace", str(out / "trace.json"), "--output-dir", str(out)], tmp_path)
-        trace = json.load(open(out / "trace.json"))["traceEvents"]
-        spans = [e for e in trace if e.get("name") == "log-prob forward"]
-        scoring = [e for e in trace if e.get("name") == "score: old log-probs, values"]
-        in_scoring = [e for e in spans if any(s["ts"] <= e["ts"] <= s["ts"] + s["dur"] for s in scoring)]
-        forwards.append((len(spans) / 2, len(in_scoring) / 2))  # per iteration: all, and scoring's
-        records = [r for r in read_metrics(out) if r["step"] > 0]
-        assert all(("behav_prox_kl" in r) and r["first_ratio_max_dev"] < 1e-5 for r in records)
-    assert forwards[0][0] - forwards[1][0] == 1 and (forwards[0][1], forwards[1][1]) == (2, 0), forwards
-
-
 def test_staleness_one_keeps_every_token_within_bounds(tmp_path):
     write_reward_module(tmp_path)
-    out = run_script([*LOOP, "--steps", "6", "--max-staleness", "1", "--inflight-updates", "--trace",
-                      str(tmp_path / "trace.json"), "--output-dir", str(tmp_path / "run")], tmp_path)
+    out = run_script([*LOOP, "--steps", "6", "--max-staleness", "1", "--output-dir", str(tmp_path / "run")], tmp_path)
     records = [r for r in read_metrics(tmp_path / "run") if r["step"] > 0]
     assert all(r["staleness_max"] <= 1 for r in records) and max(r["staleness_max"] for r in records) == 1
     assert records[0]["staleness_max"] == 0 and records[0]["is_weight_mean"] == 1.0
     assert all(r["first_ratio_max_dev"] == 0.0 and r["weight_sync_ms"] >= 0 for r in records)
-    trace = json.load(open(tmp_path / "trace.json"))["traceEvents"]  # torch.profiler's, of iterations 2 and 3
-    threads = {name: {e["tid"] for e in trace if e.get("name") == name} for name in ("generate", "update")}
-    assert threads["generate"] and threads["update"] and not threads["generate"] & threads["update"]  # both threads
     assert "it    6/6" in out
     run_script([*LOOP, "--steps", "6", "--max-staleness", "2", "--output-dir", str(tmp_path / "run2")], tmp_path)
     records = [r for r in read_metrics(tmp_path / "run2") if r["step"] > 0]
     assert all(r["staleness_max"] <= 2 for r in records) and max(r["staleness_max"] for r in records) == 2
-
-
-def test_inflight_updates_tag_each_token_with_its_version(tokenizer):
-    policy, sampler = tiny_llama(len(tokenizer), seed=1), tiny_llama(len(tokenizer), seed=1)
-    sync = pt.WeightSync(policy, sampler)
-    steps = []
-
-    def between_steps():  # the trainer publishes version 1 after the sampler's second token
-        steps.append(len(steps))
-        if len(steps) == 2:
-            with torch.no_grad():
-                for p in policy.parameters():
-                    p.add_(0.5 * torch.randn_like(p))
-            sync.publish(1)
-        return sync.pull()
-
-    ids, mask = pt.left_pad(pt.format_prompts(tokenizer, ["1+2=", "37+45="], False, 64), tokenizer.pad_token_id, "cpu")
-    eos = 999  # never sampled: every row runs all 5 steps
-    batch = pt.generate(sampler, ids, mask, max_new_tokens=5, temperature=1.0, stop_ids=eos,
-                        pad_id=tokenizer.pad_token_id, generator=torch.Generator().manual_seed(0),
-                        between_steps=between_steps)
-    assert batch.policy_version.tolist() == [[0, 0, 1, 1, 1]] * 2  # a mixed-version sequence
-    assert all(torch.equal(p, q) for p, q in zip(policy.parameters(), sampler.parameters()))
-    # the first two tokens' behaviour log-probs come from version 0: rescoring with version 0 reproduces them
-    old = tiny_llama(len(tokenizer), seed=1)
-    rescored, _ = pt.sequence_logprobs(old, *pt.full_sequence(batch), batch.response, batch.response_mask, 1.0)
-    torch.testing.assert_close(rescored[:, :2], batch.behav_logprobs[:, :2], rtol=0, atol=1e-9)
-    assert (rescored[:, 2:] - batch.behav_logprobs[:, 2:]).abs().max() > 1e-3
-    # the version-1 tokens read version 0's KV cache: not fresh at trainer version 1, so they keep their IS weight
-    cfg = pt.Config(batch_size=2, minibatches=1, response_length=5, is_cap=1e9)
-    batch.scores, batch.ref_logprobs = torch.zeros(2), batch.behav_logprobs.clone()
-    pt.score_trainer(batch, policy, pt.build_critic(policy), cfg, version=1)
-    torch.testing.assert_close(batch.is_weight, torch.exp(batch.old_logprobs - batch.behav_logprobs))
-    assert (batch.is_weight[:, 2:] != 1).all()
 
 
 def load_into_fresh_models(checkpoint):  # what --resume does, into models built from the checkpoint's config
@@ -1854,27 +1773,18 @@ def test_the_multi_turn_demo_runs_and_logs_success_by_turn(tmp_path):
     assert len(records) == 2 and all(math.isfinite(r["pg_loss"]) for r in records)
 
 
-def test_multi_turn_tokens_carry_the_version_each_was_sampled_with():
-    """In-flight updates (a new version between any two decode steps, and before each turn's prefill): every policy
-    token of every turn has its own version, growing along the conversation; an observation is never in the loss."""
+def test_multi_turn_tokens_carry_the_version_they_were_sampled_with():
     tokenizer = pt.build_demo_tokenizer(hints=True)
-    policy, texts, calls = tiny_llama(len(tokenizer), seed=3, max_position_embeddings=256), ["1+2=", "37+45="], [0]
-
-    def next_version():  # as make_batch's under --inflight-updates: the newest version each time
-        calls[0] += 1
-        return calls[0]
+    policy, texts = tiny_llama(len(tokenizer), seed=3, max_position_embeddings=256), ["1+2=", "37+45="]
     cfg = pt.Config(response_length=40, max_turns=3, temperature=1.0, chat_template=False)
-    args = pt.sampling_args(cfg, tokenizer.pad_token_id, [tokenizer.eos_token_id], vocab=len(tokenizer))
-    batch = pt.run_episodes(policy, [ScriptedEnv() for _ in texts], texts, [0, 1], tokenizer, cfg, None, **args,
-                            generator=torch.Generator().manual_seed(0), policy_version=0, between_steps=next_version)
-    for r in range(len(texts)):
-        versions = batch.policy_version[r][batch.response_mask[r].bool()]
-        assert versions[0] == 0 and (versions.diff() > 0).all() and versions[-1] <= calls[0]
-    assert max(map(len, batch.episodes["rewards"])) > 1  # (a second turn: its versions follow the first's)
+    args = pt.sampling_args(cfg, tokenizer.pad_token_id, [tokenizer.eos_token_id], len(tokenizer))
+    batch = pt.run_episodes(policy, [ScriptedEnv() for _ in texts], texts, [0, 1], tokenizer, cfg, None,
+                            **{**args, "policy_version": 7}, generator=torch.Generator().manual_seed(0))
+    assert (batch.policy_version == 7).all() and max(map(len, batch.episodes["rewards"])) > 1  # (second turns too)
 
 
-def test_multi_turn_staleness_one_with_inflight_updates_tags_every_turns_tokens(tmp_path):
-    run_script([*ENV_RUN, "--max-staleness", "1", "--inflight-updates", "--steps", "3",
+def test_multi_turn_staleness_one_tags_every_turns_tokens(tmp_path):
+    run_script([*ENV_RUN, "--max-staleness", "1", "--steps", "3",
                 "--output-dir", tmp_path / "run", "--demo-cache", tmp_path / "cache"], tmp_path)
     records = read_metrics(tmp_path / "run")[1:]
     assert [r["step"] for r in records] == [1, 2, 3] and all(r["staleness_max"] <= 1 for r in records)
@@ -2142,13 +2052,12 @@ def digests(out):  # the per-rank checksums of the actor weights digest_script p
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
-def first_iteration(world: int, rank: int, loss_agg="token-mean", pg_mask="all"):
+def first_iteration(world: int, rank: int, loss_agg="token-mean"):
     """One scoring pass and one PPO update (SGD, 1 minibatch of 2-row micro-batches) on this rank's share of a fixed
     batch of 8 rollouts, with DDP under torchrun. Returns (all-rank advantages, reduced stats, actor weights).
     The sequence-mean --loss-agg modes get completions of unequal lengths."""
     tokenizer, cfg = pt.build_demo_tokenizer(), pt.Config(batch_size=8, minibatches=1, ppo_epochs=1, response_length=4,
-                                                          micro_batch_size=2, whiten_scores=True, loss_agg=loss_agg,
-                                                          pg_mask=pg_mask)
+                                                          micro_batch_size=2, loss_agg=loss_agg)
     policy = tiny_llama(len(tokenizer), seed=4, dtype=torch.float32)
     reference = tiny_llama(len(tokenizer), seed=5, dtype=torch.float32).requires_grad_(False)
     texts = [f"{a}+{b}=" for a, b in [(1, 2), (37, 45), (9, 90), (5, 5), (12, 3), (0, 0), (99, 99), (50, 7)]]
@@ -2197,9 +2106,6 @@ def test_whitening_and_the_first_update_do_not_depend_on_the_world_size(tmp_path
         assert math.isclose(two["stats"]["pg_loss"], stats["pg_loss"], rel_tol=1e-4, abs_tol=1e-6), agg
         for a, b in zip(two["weights"], weights):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
-    weights = first_iteration(1, 0, pg_mask="top-entropy")[2]  # the 20% cut over both ranks' tokens, not each one's
-    for a, b in zip(torch.load(tmp_path / "world2.pt")["top-entropy"]["weights"], weights):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
 @slow
@@ -2311,12 +2217,8 @@ def test_config_errors_name_the_flags(capsys):
              (["--loss-agg", "seq-mean"], "--loss-agg must be token-mean, seq-mean-token-mean or"),
              (["--clip-range-high", "-0.1"], "--clip-range-high must be >= 0"),
              (["--policy-loss", "dapo"], "--policy-loss must be ppo, gspo or cispo"),
-             (["--pg-mask", "random"], "--pg-mask must be all or top-entropy"),
              (["--advantage", "grpo", "--samples-per-prompt", "2", "--kl-estimator", "k1"],
-              "--kl-in loss needs --kl-estimator k2 or k3"),
-             (["--sampler-logprobs", "--max-staleness", "1"], "--sampler-logprobs needs fresh tokens: drop"),
-             (["--sampler-logprobs", "--inflight-updates"], "--sampler-logprobs needs fresh tokens: drop"),
-             (["--sampler-logprobs", "--mismatch-correction"], "so --mismatch-correction's weight is 1: drop one")]
+              "--kl-in loss needs --kl-estimator k2 or k3")]
     if not torch.cuda.is_available():
         cases.append((["--device", "cuda"], "--device cuda: CUDA is not available here; use --device cpu"))
     for argv, message in cases:
@@ -2420,8 +2322,6 @@ def test_bad_input_is_refused_with_one_clear_line(tmp_path, capsys, monkeypatch,
              (with_prompts("binary.jsonl"), 1, "cannot read it as UTF-8 text"),
              (with_prompts("empty.jsonl"), 1, "the file holds no prompts"),
              (with_prompts("broken.jsonl"), 1, "line 3 is not a JSON object with a 'prompt' field"),
-             ([*with_prompts("long.jsonl"), "--max-prompt-length", "30", "--long-prompts", "refuse"], 1,
-              "1 of 1 prompts are longer than --max-prompt-length 30 tokens (the first is prompt 1)"),
              ([*with_prompts("long.jsonl"), "--max-prompt-length", "100"], 1,
               "the longest prompt (71 tokens) plus --response-length 6 exceeds the model's context of 64 tokens"),
              ([*base, "--reward", "bad_rewards_2:boom"], 1, "the reward function raised ValueError: no scorer"),
@@ -2817,10 +2717,10 @@ def test_cuda_real_model_runs_default_to_bf16_where_the_gpu_has_bf16_matmuls():
 
 
 @cuda
-@pytest.mark.parametrize("flags", [[], ["--max-staleness", "1", "--inflight-updates"], ["--compile-sampler"],
+@pytest.mark.parametrize("flags", [[], ["--max-staleness", "1"], ["--compile-sampler"],
                                    ["--micro-batch-size", "0", "--micro-batch-tokens", "64", "--bf16",
                                     "--gradient-checkpointing", "--max-staleness", "1"]],
-                         ids=["sync", "staleness1-inflight", "compiled", "packed-bf16-checkpointed"])
+                         ids=["sync", "staleness1", "compiled", "packed-bf16-checkpointed"])
 def test_cuda_entry_point_trains(tmp_path, flags):
     write_reward_module(tmp_path)
     out = run_cuda_script([*CUDA_LOOP, *flags, "--output-dir", str(tmp_path / "run")], tmp_path)
@@ -2837,17 +2737,6 @@ def test_cuda_critic_free_run_with_the_mismatch_correction(tmp_path):  # the bf1
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all(math.isfinite(r[k]) for r in records for k in ("pg_loss", "kl_loss", "grad_norm", "behav_prox_kl"))
     assert all("vf_loss" not in r and r["is_weight_mean"] != 1.0 for r in records)  # fresh tokens weighted too
-
-
-@cuda
-def test_cuda_sampler_logprobs_take_the_ratio_against_the_bf16_sampler_and_log_the_mismatch(tmp_path):
-    write_reward_module(tmp_path)
-    run_cuda_script([*CUDA_LOOP, "--sampler-logprobs", "--output-dir", str(tmp_path / "run")], tmp_path)
-    records = [r for r in read_metrics(tmp_path / "run") if r["step"] > 0]
-    assert [r["step"] for r in records] == [1, 2, 3]
-    assert all(math.isfinite(r[k]) for r in records for k in ("pg_loss", "vf_loss", "grad_norm", "behav_prox_kl"))
-    # the first minibatch's ratio: the fp32 trainer over the bf16 sampler at the same weights (|log r| < 0.5 as above)
-    assert all(0 < r["first_ratio_max_dev"] < math.exp(0.5) - 1 for r in records)
 
 
 @cuda
@@ -3070,7 +2959,7 @@ def test_cuda_triton_kernels_at_full_scale_against_float64(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# the variant tables (POLICY_LOSSES: GSPO, CISPO; ADVANTAGES: REINFORCE++; PG_MASKS: the top-entropy tokens) against
+# the variant tables (POLICY_LOSSES: GSPO, CISPO; ADVANTAGES: REINFORCE++) against
 # float64 references from the papers, the reward interface's token-level facts, and a new entry in each table
 
 
@@ -3260,52 +3149,6 @@ def test_reinforce_pp_needs_no_critic_nor_groups_and_micro_batches_score_the_sam
     torch.testing.assert_close(batch.advantages.double(), want, rtol=1e-5, atol=1e-5)
 
 
-def test_top_entropy_mask_by_hand_the_policy_gradient_on_those_tokens_and_the_denominators_on_all():
-    loss_mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]])  # 10 loss tokens; the pads' entropy is the
-    entropy = torch.tensor([[0.3, 0.9, 0.1, 0.5, 0.7, 0.2], [1.0, 0.4, 0.6, 0.8, 9.0, 9.0]])  # highest, not counted
-    batch = SimpleNamespace(loss_mask=loss_mask, entropy=entropy)
-    pg_mask = pt.PG_MASKS["top-entropy"](batch, pt.Config(pg_mask="top-entropy"))
-    # the top 20% of 0.1, 0.2, ..., 1.0: above their 0.8-quantile 0.82 (linear interpolation), so 0.9 and 1.0
-    assert pg_mask.tolist() == [[False, True, False, False, False, False], [True, False, False, False, False, False]]
-    assert torch.equal(pt.PG_MASKS["all"](batch, pt.Config()), loss_mask.bool())
-    empty = SimpleNamespace(loss_mask=torch.zeros(2, 6, dtype=torch.long), entropy=entropy)
-    assert not pt.top_entropy_tokens(empty, pt.Config()).any()  # (no loss token: no quantile to take)
-    g = torch.Generator().manual_seed(7)
-    old = torch.randn(2, 6, dtype=torch.float64, generator=g)
-    logp = (old + 0.05 * torch.randn(2, 6, dtype=torch.float64, generator=g)).requires_grad_()
-    adv = torch.randn(2, 6, dtype=torch.float64, generator=g)
-    loss, stats = objective(logp, old, adv, loss_mask, pt.Share(10, 10), pg_mask=pg_mask)  # the update's denominators
-    r = torch.exp(logp.detach() - old)  # (all within the clip range)
-    assert abs(float(loss.detach()) - float(-(r[0, 1] * adv[0, 1] + r[1, 0] * adv[1, 0]) / 10)) < 1e-12
-    expected_grad = torch.zeros_like(adv)
-    expected_grad[0, 1], expected_grad[1, 0] = -r[0, 1] * adv[0, 1] / 10, -r[1, 0] * adv[1, 0] / 10
-    torch.testing.assert_close(torch.autograd.grad(loss, logp)[0], expected_grad, rtol=1e-12, atol=1e-15)
-    kls = [float(x - 1 - math.log(x)) for x in r[loss_mask.bool()]]  # the statistics: every loss token
-    assert abs(float(stats["approx_kl"]) - sum(kls) / 10) < 1e-12
-
-
-def test_top_entropy_update_equals_the_full_update_with_the_other_tokens_advantages_zeroed(tokenizer):
-    flags = dict(kl_in="loss", kl_estimator="k3", kl_coef=0.5)  # a KL term in the loss: over every loss token
-    stats, batch, step = variant_update(tokenizer, pg_mask="top-entropy", **flags)
-    in_loss, pg = batch.loss_mask.bool(), batch.pg_mask
-    assert 0 < int(pg.sum()) <= math.ceil(0.2 * int(in_loss.sum())) and not (pg & ~in_loss).any()
-    assert float(batch.entropy[pg].min()) > float(batch.entropy[in_loss & ~pg].max())  # the highest-entropy ones
-    n = int(in_loss.sum())  # the first minibatch: ratio 1, values = old values; every denominator: all loss tokens
-    assert math.isclose(stats["pg_loss"], -float(batch.advantages[pg].sum()) / n, rel_tol=1e-5)
-    k3 = pt.kl_estimate(batch.old_logprobs, batch.ref_logprobs, "k3")
-    assert math.isclose(stats["kl_loss"], float(k3[in_loss].sum()) / n, rel_tol=1e-5)
-    assert math.isclose(stats["vf_loss"], 0.5 * float(((batch.values - batch.returns)[in_loss] ** 2).sum()) / n,
-                        rel_tol=1e-5)
-
-    def only_those_tokens(b):
-        b.advantages = torch.where(pg, b.advantages, 0.0)
-
-    all_stats, _, all_step = variant_update(tokenizer, only_those_tokens, **flags)
-    for a, b in zip(all_step, step):
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
-    assert math.isclose(all_stats["vf_loss"], stats["vf_loss"], rel_tol=1e-6)
-
-
 def test_reward_functions_get_the_token_facts_they_name_and_the_demo_reward_is_one(tokenizer, tmp_path, monkeypatch):
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     digit = {str(d): tokenizer.convert_tokens_to_ids(str(d)) for d in range(10)}
@@ -3353,7 +3196,7 @@ def test_reward_functions_get_the_token_facts_they_name_and_the_demo_reward_is_o
     assert user.reward_fn.func is pt.rule_scores and user.reward_fn(batch).tolist() == [2.0, 3.0, 2.0, 3.0]
 
 
-def test_a_new_loss_estimator_and_mask_are_one_function_and_one_table_entry_each(tokenizer, monkeypatch, tmp_path):
+def test_a_new_loss_and_estimator_are_one_function_and_one_table_entry_each(tokenizer, monkeypatch, tmp_path):
     calls = []
 
     def doubled_ppo(logprobs, mb, cfg):  # a new policy loss: twice PPO's
@@ -3365,36 +3208,27 @@ def test_a_new_loss_estimator_and_mask_are_one_function_and_one_table_entry_each
         calls.append("advantages")
         return batch.response_mask.to(batch.rewards.dtype), None
 
-    def first_tokens(batch, cfg):  # a new mask: only each completion's first token gets the policy gradient
-        calls.append("mask")
-        return batch.loss_mask.bool() & (torch.arange(batch.loss_mask.shape[1]) == 0)
-
     monkeypatch.setitem(pt.POLICY_LOSSES, "doubled", doubled_ppo)
     monkeypatch.setitem(pt.ADVANTAGES, "ones", pt.Estimator(ones, critic=False, groups=False, kl_in="loss"))
-    monkeypatch.setitem(pt.PG_MASKS, "first", first_tokens)
     cfg = pt.Config(advantage="ones")  # the entry's declarations set the defaults: no critic, the KL in the loss
     assert (cfg.kl_in, cfg.kl_estimator, cfg.ppo_epochs, cfg.steps) == ("loss", "k3", 1, 800)
-    new = dict(policy_loss="doubled", advantage="ones", pg_mask="first")
-    stats, batch, step = variant_update(tokenizer, **new)
-    assert calls == ["advantages", "mask", "loss"] and batch.returns is None and "vf_loss" not in stats
-    first = torch.zeros_like(batch.loss_mask, dtype=torch.bool)
-    first[:, 0] = True
-    assert torch.equal(batch.pg_mask, first) and torch.equal(batch.advantages, batch.response_mask.float())
-    n = int(batch.loss_mask.sum())  # the first minibatch: ratio 1, so -2 * A on 8 first tokens, over all loss tokens
-    assert math.isclose(stats["pg_loss"], -2 * 8 / n, rel_tol=1e-6) and stats["kl_loss"] > 0
+    stats, batch, step = variant_update(tokenizer, policy_loss="doubled", advantage="ones")
+    assert calls == ["advantages", "loss"] and batch.returns is None and "vf_loss" not in stats
+    assert torch.equal(batch.advantages, batch.response_mask.float())
+    assert math.isclose(stats["pg_loss"], -2, rel_tol=1e-6) and stats["kl_loss"] > 0  # the first minibatch: ratio 1
 
-    def doubled_advantages_on_first_tokens(b):
-        b.advantages = 2.0 * first
+    def doubled_advantages(b):
+        b.advantages = 2.0 * b.response_mask
 
     # the same step from the built-in entries, the advantages set to what the new entries amount to
-    _, _, built_in = variant_update(tokenizer, doubled_advantages_on_first_tokens, advantage="reinforce++",
-                                    kl_in="loss", kl_estimator="k3")
+    _, _, built_in = variant_update(tokenizer, doubled_advantages, advantage="reinforce++", kl_in="loss",
+                                    kl_estimator="k3")
     for a, b in zip(built_in, step):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
     assert max(float(s.abs().max()) for s in step) > 1e-4
-    # and a real iteration of train() through all three, chosen on the command line (the choices are the tables)
+    # and a real iteration of train() through both, chosen on the command line (the choices are the tables)
     calls.clear()
-    cfg = pt.parse_config(["--policy-loss", "doubled", "--advantage", "ones", "--pg-mask", "first", "--steps", "1",
+    cfg = pt.parse_config(["--policy-loss", "doubled", "--advantage", "ones", "--steps", "1",
                            "--batch-size", "8", "--minibatches", "1", "--response-length", "4", "--eval-size", "40",
                            "--sample-every", "0", "--demo-warmup-steps", "0", "--demo-cache", str(tmp_path),
                            "--device", "cpu"])
@@ -3402,7 +3236,7 @@ def test_a_new_loss_estimator_and_mask_are_one_function_and_one_table_entry_each
     assert run.critic is None
     os.makedirs(tmp_path / "run")
     (record,) = pt.train(cfg, run, str(tmp_path / "run"), threaded=False)
-    assert calls == ["advantages", "mask", "loss"] and "vf_loss" not in record and record["kl_loss"] >= 0
+    assert calls == ["advantages", "loss"] and "vf_loss" not in record and record["kl_loss"] >= 0
 
 
 if __name__ == "__main__":  # torchrun test_ppo_tokens.py OUT: the two-rank half of
@@ -3412,8 +3246,6 @@ if __name__ == "__main__":  # torchrun test_ppo_tokens.py OUT: the two-rank half
     for agg in LOSS_AGGS:
         advantages, stats, weights = first_iteration(ctx.world, ctx.rank, agg)
         results[agg] = {"advantages": advantages, "stats": stats, "weights": weights}
-    weights = first_iteration(ctx.world, ctx.rank, pg_mask="top-entropy")[2]
-    results["top-entropy"] = {"weights": weights}
     results["global_means"] = pt.global_masked_means([unequal_shares(ctx.rank)])
     if ctx.rank == 0:
         torch.save(results, sys.argv[1])
