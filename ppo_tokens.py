@@ -87,10 +87,12 @@ class Config:
     max_grad_norm: float = arg(1.0, "gradient-norm clip, per model")
     policy_loss: str = arg("ppo", "POLICY_LOSSES: 'ppo' (clipped ratio per token), 'gspo' (per sequence), 'cispo'")
     clip_range: float = arg(0.2, "PPO ratio clip epsilon")
-    clip_range_high: float = arg(0.0, "upper ratio clip: 1 + this (DAPO's clip-higher, e.g. 0.28); 0 = --clip-range")
+    clip_range_high: float = arg(0.0, "upper ratio clip: 1 + this (DAPO's clip-higher, e.g. 0.28); 0 = --clip-range "
+                                      "(the multi-turn demo: 0.28)")
     value_clip_range: float = arg(0.2, "value-prediction clip around the rollout's values")
     entropy_coef: float = arg(0.0, "entropy bonus in the policy loss (0 = only logged)")
-    kl_coef: float = arg(0.02, "weight of the per-token KL(policy || reference) penalty (see --kl-in)")
+    kl_coef: float = arg(None, "weight of the per-token KL(policy || reference) penalty (see --kl-in); default: 0.02, "
+                               "the multi-turn demo 0.1")
     kl_in: str = arg("", "the KL penalty goes in the 'reward' or the 'loss' (as GRPO); empty = the estimator's choice")
     kl_estimator: str = arg("", "k1, k2 or k3 (kl_estimate, Schulman 2020); empty = k1 in the reward, k3 in the loss")
     advantage: str = arg("gae", "ADVANTAGES: 'gae' (a critic), 'reinforce++', or over groups 'grpo', 'rloo'")
@@ -112,7 +114,8 @@ class Config:
     full_logits: bool = arg(False, "log-probs from full [tokens, vocab] logits, not the fused lm_head path")
     fsdp: bool = arg(False, "torchrun: shard actor/critic weights, grads, Adam states (FSDP2), not replicate (DDP)")
     # the built-in demo
-    demo_warmup_steps: int = arg(1000, "supervised warm-up steps before PPO (0 = none); fixed, past the loss's drop")
+    demo_warmup_steps: int = arg(None, "supervised warm-up steps before PPO (0 = none); fixed, past the loss's drop; "
+                                       "default: 1000, the multi-turn demo 1300")
     demo_warmup_lr: float = arg(3e-3, "warm-up learning rate (AdamW, betas (0.9, 0.95), 50-step linear warm-up)")
     demo_hidden: int = arg(128, "demo model width (3 layers, 4 heads; 128 = 0.6M parameters)")
     demo_layers: int = arg(3, "demo model depth")
@@ -134,25 +137,29 @@ class Config:
     wandb_project: str = arg("", "log to this Weights & Biases project (off when empty; wandb imported only then)")
 
     def __post_init__(self):
-        """A flag left at 0 ("auto", "", None) takes the value that fits the run: the demo's were tuned on it
-        (shared/DEMO-CALIBRATION.md), --model's are the README's for a real model. self.resolved: those values."""
+        """A flag left at its default (0, "auto", "", None) takes the value that fits the run: the demo's were tuned
+        on it (shared/DEMO-CALIBRATION.md), --model's are the README's for a real model. self.resolved: those values."""
         estimator = ADVANTAGES.get(self.advantage, ADVANTAGES["gae"])  # (check_config refuses an unknown name)
         critic, groups, n = estimator.critic, estimator.groups, self.samples_per_prompt
         cuda = self.device.startswith("cuda") or (self.device == "auto" and torch.cuda.is_available())
         if self.model:  # a real model: verl's and OpenRLHF's learning rates and one pass; a demo's would wreck it
             defaults = dict(steps=1000, batch_size=16 * n if groups else 64, response_length=256, ppo_epochs=1,
-                            lr=1e-6, critic_lr=1e-5, temperature=1.0, bf16=native_bf16(cuda))
+                            lr=1e-6, critic_lr=1e-5, temperature=1.0, bf16=native_bf16(cuda), kl_coef=0.02)
         else:  # the demo; critic-free: one pass (GRPO's mu = 1), 64 prompts x a group
-            defaults = dict(steps=300 if critic else 800, batch_size=64 * n if groups else 256,
+            defaults = dict(steps=(150 if self.env else 300) if critic else 800, batch_size=64 * n if groups else 256,
                             response_length=12 * self.max_turns - 8 if self.env else 4,
                             ppo_epochs=2 if critic else 1, lr=5e-4 if critic else 3e-4, critic_lr=1e-3,
-                            temperature=1.0 if self.env else 0.7, bf16=False)  # (T 1: the end varied 0.78-0.92)
+                            temperature=1.0 if self.env else 0.7, bf16=False,  # (T 1: the end varied 0.78-0.92)
+                            kl_coef=0.1 if self.env else 0.02, demo_warmup_steps=1300 if self.env else 1000)
+            if self.env:  # the multi-turn demo: clip-higher and the stronger KL keep its second tries exploring
+                defaults["clip_range_high"] = 0.28  # (without both: seed 2 stalled near 0.80, one hint side lost)
         bf16 = defaults["bf16"] if self.bf16 is None else self.bf16
         # the frozen models in bf16 on CUDA (memory) or under --bf16; the KL where its estimator puts it; flat groups
         # out of the loss
         defaults.update(dtype="bfloat16" if cuda or bf16 else "float32", kl_in=estimator.kl_in,
                         drop_flat_groups=groups)
-        unset = [k for k in defaults if getattr(self, k) is not False and getattr(self, k) in UNSET]
+        declared = {f.name: f.default for f in dataclasses.fields(self)}
+        unset = [k for k in defaults if getattr(self, k) == declared[k]]  # the flags left at their declared default
         self.resolved = {k: defaults[k] for k in unset}
         if not self.kl_estimator:  # k1 in the reward; in the loss k3 (k1's expected gradient there is 0)
             self.resolved["kl_estimator"] = "k1" if self.resolved.get("kl_in", self.kl_in) == "reward" else "k3"
@@ -172,7 +179,6 @@ def native_bf16(cuda: bool) -> bool:  # bf16 matmuls in hardware (Ampere+; CPUs 
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
-UNSET = (0, "auto", "", None)  # a flag's values that mean "the default that fits the run" (Config.__post_init__)
 Dist = collections.namedtuple("Dist", "rank local_rank world", defaults=(0, 0, 1))  # this process's place in the job
 
 
@@ -1480,7 +1486,9 @@ def demo_warmup(policy, tokenizer, train_pairs, cfg: Config):
     t0 = time.time()
     # beta2 0.95, as in LLM pre-training: with 0.999 the accuracy's jump came anywhere from ~250 to 700+ steps
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.demo_warmup_lr, betas=(0.9, 0.95), weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 50))  # 50-step LR warm-up
+    # a 50-step LR warm-up; multi-turn: then down to 5% over the second half (exact sums: held-out success +0.02)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / 50, 2.0 * (1 - s / cfg.demo_warmup_steps) + 0.05 if retry else 1.0))
     rng = random.Random(cfg.seed)
     all_ids = format_prompts(tokenizer, [addition_prompt(a, b) for a, b in train_pairs], False, 64)
     answers = [tokenizer(str(a + b), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
@@ -1490,15 +1498,16 @@ def demo_warmup(policy, tokenizer, train_pairs, cfg: Config):
         ids, mask = left_pad([all_ids[i] for i in rows], tokenizer.pad_token_id, policy.device)
         seqs, loss = [answers[i] for i in rows], None
         mixed = retry and step > cfg.demo_warmup_steps // 2  # the second half: the conversation's format too
-        if mixed:  # every other row a second try after a miss W (1 or 20 off): W<eos>, a+b= and the hint, then the
-            seqs, loss = [], []  # sum or, for a fifth, a neighbour on either side (the hint's meaning is left to PPO)
+        if mixed:  # every other row a second try after a miss W (1 or 20 off): W<eos>, a+b=, the hint (W against the
+            # answer, as the game's), then the answer: the sum or, for a fifth, a neighbour on either side. Left to PPO:
+            seqs, loss = [], []  # after a miss of the sum itself, the answer is the neighbour the hint points to
             for k, i in enumerate(rows):
                 total = sum(train_pairs[i])
                 miss, target = total + rng.choice((-20, -1, 1, 20)), total
                 miss = miss if miss >= 0 else 2 * total - miss
                 if rng.random() < 0.2:
                     target = neighbour(total, rng.choice((-10, 10)))
-                hint = addition_prompt(*train_pairs[i]) + retry_hint(str(miss), total, cfg.env == "demo")
+                hint = addition_prompt(*train_pairs[i]) + retry_hint(str(miss), target, cfg.env == "demo")
                 context = [] if k % 2 == 0 else tokenizer(f"{miss}", add_special_tokens=False)["input_ids"] + [
                     tokenizer.eos_token_id] + tokenizer(hint, add_special_tokens=False)["input_ids"]
                 answer = answers[i] if k % 2 == 0 else tokenizer(str(target), add_special_tokens=False)[

@@ -1127,7 +1127,8 @@ def test_model_directory_prompts_file_and_reward_function(tmp_path, tokenizer):
                       "--reward", "my_rewards:score", "--response-length", "5", "--no-bf16",  # (fp32: the check below)
                       "--output-dir", str(tmp_path / "run")], tmp_path)
     assert "zero-initialised head" in out
-    assert "defaults: --ppo-epochs 1, --lr 1e-06, --critic-lr 1e-05, --temperature 1.0, --dtype float32" in out
+    assert "defaults: --ppo-epochs 1, --lr 1e-06, --critic-lr 1e-05, --temperature 1.0, --kl-coef 0.02, --dtype " \
+        "float32" in out
     records = check_outputs(tmp_path / "run", 3)
     assert "eval_accuracy" not in records[-1]
     assert all(r["response_tokens"] <= 16 * 5 for r in records)
@@ -2249,6 +2250,10 @@ def test_critic_free_runs_have_their_own_demo_defaults_and_a_flag_given_wins():
                              "--ppo-epochs", "3", "--lr", "1e-3", "--no-drop-flat-groups"])
     assert (given.steps, given.batch_size, given.ppo_epochs, given.lr) == (7, 16, 3, 1e-3)
     assert not given.drop_flat_groups  # a flag given wins
+    env = pt.Config(env="demo")  # the multi-turn demo: clip-higher and a stronger KL keep its second tries exploring
+    assert (env.steps, env.kl_coef, env.clip_range_high, env.demo_warmup_steps) == (150, 0.1, 0.28, 1300)
+    assert (gae.kl_coef, gae.clip_range_high) == (0.02, 0)
+    assert pt.Config(env="demo", kl_coef=0.0).kl_coef == 0.0  # 0 given: no KL (only the declared None is unset)
 
 
 def test_a_real_model_gets_real_model_defaults_and_the_log_lists_every_resolved_value(monkeypatch):
@@ -2264,7 +2269,7 @@ def test_a_real_model_gets_real_model_defaults_and_the_log_lists_every_resolved_
     assert real.dtype == "float32" and real.resolved["dtype"] == "float32"  # auto: bfloat16 on CUDA or under --bf16
     assert real.resolved.pop("compile_sampler") == (shutil.which("g++") is not None)  # 16M sampled tokens on a CPU
     assert real.resolved == {"steps": 1000, "batch_size": 64, "response_length": 256, "ppo_epochs": 1, "lr": 1e-6,
-                             "critic_lr": 1e-5, "temperature": 1.0, "bf16": False, "dtype": "float32",
+                             "critic_lr": 1e-5, "temperature": 1.0, "bf16": False, "kl_coef": 0.02, "dtype": "float32",
                              "kl_in": "reward", "drop_flat_groups": False, "kl_estimator": "k1"}
     monkeypatch.setattr(pt, "native_bf16", lambda cuda: True)
     bf16 = pt.Config(model="m", device="cpu")
