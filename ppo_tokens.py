@@ -53,6 +53,8 @@ def arg(default, help):  # a Config field whose help text is its comment; the CL
 
 @dataclass
 class Config:
+    """Every default below is the value that runs: `python ppo_tokens.py` is the single-turn demo with exactly these.
+    PRESETS (below) change some of them for a real model (--model), a critic-free or a multi-turn demo."""
     # what to train
     model: str = arg("", "HF causal-LM directory or hub name; empty = the built-in demo (a tiny Llama learns addition)")
     reward_model: str = arg("", "AutoModelForSequenceClassification (num_labels=1) directory: score = its output")
@@ -64,42 +66,40 @@ class Config:
     chat_template: bool = arg(True, "wrap each prompt in the tokenizer's chat template when it has one")
     max_prompt_length: int = arg(512, "longest prompt in tokens; longer ones keep their last tokens (warned)")
     # rollout
-    steps: int = arg(0, "PPO iterations (a batch and its update each); 0 = demo: 300, 800 critic-free; --model: 1000")
-    batch_size: int = arg(0, "completions per iteration; 0 = demo: 256, 64 prompts x group; --model: 64, 16 x group")
-    response_length: int = arg(0, "max new tokens per completion (--env: all turns and observations); 0 = demo: 4 "
-                                  "(--env: 4 a turn, 8 an observation); --model: 256")
-    temperature: float = arg(0.0, "of sampling and scoring (logits / T); 0 = demo: 0.7 (--env: 1), --model: 1")
+    steps: int = arg(300, "PPO iterations (a batch and its update each)")
+    batch_size: int = arg(256, "completions per iteration (--samples-per-prompt of each prompt)")
+    response_length: int = arg(4, "max new tokens per completion (--env: all turns and observations)")
+    temperature: float = arg(0.7, "of sampling and scoring (logits / T); > 0: PPO's ratio needs a distribution")
     top_k: int = arg(0, "sample from the k most likely tokens only (0 = off); log-probs renormalise over that set")
     top_p: float = arg(1.0, "nucleus sampling threshold (1 = off); keeps at most --top-k ids, 64 when --top-k is 0")
     # PPO
-    ppo_epochs: int = arg(0, "passes over each rollout batch; 0 = demo: 2, 1 critic-free (GRPO's mu = 1); --model: 1")
+    ppo_epochs: int = arg(2, "passes over each rollout batch")
     minibatches: int = arg(4, "optimizer steps per epoch; --batch-size must divide by it")
     micro_batch_size: int = arg(0, "rows per forward/backward, gradients accumulate; 0 = the whole minibatch")
     micro_batch_tokens: int = arg(0, "instead: packed micro-batches of at most this many real tokens; 0 = padded rows")
     gradient_checkpointing: bool = arg(False, "recompute each decoder layer's activations in the backward")
-    bf16: bool = arg(None, "bf16 autocast over the fp32 master weights; the log-prob and value heads stay fp32; "
-                           "default: on with --model where the device has bf16 matmuls (as TRL), off for the demo")
-    lr: float = arg(0.0, "policy learning rate (AdamW); 0 = demo: 5e-4, 3e-4 critic-free; --model: 1e-6")
-    critic_lr: float = arg(0.0, "critic learning rate (AdamW); 0 = demo: 1e-3; --model: 1e-5")
+    bf16: bool = arg(False, "bf16 autocast over the fp32 master weights (devices with bf16 matmuls); the log-prob and "
+                            "value heads stay fp32")
+    lr: float = arg(5e-4, "policy learning rate (AdamW)")
+    critic_lr: float = arg(1e-3, "critic learning rate (AdamW)")
     lr_decay: bool = arg(True, "decay both learning rates linearly to 0 over --steps")
     weight_decay: float = arg(0.0, "AdamW weight decay")
     adam_eps: float = arg(1e-5, "AdamW epsilon (1e-5 as in the N+ details, not PyTorch's 1e-8)")
     max_grad_norm: float = arg(1.0, "gradient-norm clip, per model")
     policy_loss: str = arg("ppo", "POLICY_LOSSES: 'ppo' (clipped ratio per token), 'gspo' (per sequence), 'cispo'")
     clip_range: float = arg(0.2, "PPO ratio clip epsilon")
-    clip_range_high: float = arg(0.0, "upper ratio clip: 1 + this (DAPO's clip-higher, e.g. 0.28); 0 = --clip-range "
-                                      "(the multi-turn demo: 0.28)")
+    clip_range_high: float = arg(0.0, "upper ratio clip: 1 + this (DAPO's clip-higher, e.g. 0.28); 0 = --clip-range")
     value_clip_range: float = arg(0.2, "value-prediction clip around the rollout's values")
     entropy_coef: float = arg(0.0, "entropy bonus in the policy loss (0 = only logged)")
-    kl_coef: float = arg(None, "weight of the per-token KL(policy || reference) penalty (see --kl-in); default: 0.02, "
-                               "the multi-turn demo 0.1")
-    kl_in: str = arg("", "the KL penalty goes in the 'reward' or the 'loss' (as GRPO); empty = the estimator's choice")
-    kl_estimator: str = arg("", "k1, k2 or k3 (kl_estimate, Schulman 2020); empty = k1 in the reward, k3 in the loss")
+    kl_coef: float = arg(0.02, "weight of the per-token KL(policy || reference) penalty (see --kl-in)")
+    kl_in: str = arg("auto", "the KL penalty goes in the 'reward' or the 'loss' (as GRPO); auto: the --advantage's")
+    kl_estimator: str = arg("auto", "k1, k2 or k3 (kl_estimate, Schulman 2020); auto: k1 in the reward, k3 in the loss")
     advantage: str = arg("gae", "ADVANTAGES: 'gae' (a critic), 'reinforce++', or over groups 'grpo', 'rloo'")
     samples_per_prompt: int = arg(1, "completions per prompt in a batch (a group); --batch-size counts completions")
     scale_rewards: str = arg("group", "grpo: divide by the std of the 'group', the 'batch', or 'none' (Dr. GRPO)")
-    loss_agg: str = arg("token-mean", "'token-mean', 'seq-mean-token-mean' or 'seq-mean-token-sum-norm'")
-    drop_flat_groups: bool = arg(None, "groups that all scored the same leave the loss; default: on when grouped")
+    loss_agg: str = arg("auto", "'token-mean', 'seq-mean-token-mean' or 'seq-mean-token-sum-norm'; auto: the "
+                                "--policy-loss's (gspo: seq-mean-token-mean, else token-mean)")
+    drop_flat_groups: bool = arg(True, "groups (--samples-per-prompt >= 2) that all scored the same leave the loss")
     mismatch_correction: bool = arg(False, "decoupled-PPO weights on fresh tokens too (sampler drift)")
     gamma: float = arg(1.0, "GAE discount")
     lam: float = arg(0.95, "GAE lambda")
@@ -110,18 +110,18 @@ class Config:
     bench_overlap: bool = arg(False, "benchmark: run --steps iterations at --max-staleness 0, 1 and 2, print a table")
     bench_rollout: bool = arg(False, "benchmark: our sampler vs HF generate (tokens/s): plain, static cache, compiled")
     static_cache: bool = arg(True, "sample with a preallocated KV cache (+ CUDA graphs); off = DynamicCache")
-    compile_sampler: bool = arg(None, "torch.compile the sampler's steps (~10-90 s at start); default: where it pays")
+    compile_sampler: bool = arg(False, "torch.compile the sampler's steps (CPU: ~10-90 s at start, ~0.16 ms a token "
+                                       "less after)")
     full_logits: bool = arg(False, "log-probs from full [tokens, vocab] logits, not the fused lm_head path")
     fsdp: bool = arg(False, "torchrun: shard actor/critic weights, grads, Adam states (FSDP2), not replicate (DDP)")
-    # the built-in demo
-    demo_warmup_steps: int = arg(None, "supervised warm-up steps before PPO (0 = none); fixed, past the loss's drop; "
-                                       "default: 1000, the multi-turn demo 1300")
+    # the built-in demo (the task at the end of the file)
+    demo_warmup_steps: int = arg(1000, "supervised warm-up steps before PPO (0 = none); fixed, past the loss's drop")
     demo_warmup_lr: float = arg(3e-3, "warm-up learning rate (AdamW, betas (0.9, 0.95), 50-step linear warm-up)")
     demo_hidden: int = arg(128, "demo model width (3 layers, 4 heads; 128 = 0.6M parameters)")
     demo_layers: int = arg(3, "demo model depth")
     demo_cache: str = arg("~/.cache/ppo_tokens", "where the warmed-up demo checkpoint is cached between runs")
-    eval_every: int = arg(25, "held-out evaluation every this many iterations (demo only; also before and after)")
-    eval_size: int = arg(1000, "held-out prompts per evaluation (demo only)")
+    eval_every: int = arg(25, "held-out evaluation every this many iterations (a task with one; also before and after)")
+    eval_size: int = arg(1000, "held-out prompts per evaluation (the demo)")
     sample_every: int = arg(50, "print a few sample completions every this many iterations (0 = never)")
     # checkpoints and failures
     save_every: int = arg(0, "checkpoint every this many iterations and after the last (0 = only on SIGINT/SIGTERM)")
@@ -136,46 +136,63 @@ class Config:
     output_dir: str = arg("", "where config.json, metrics.jsonl and policy/ go; empty = runs/<date-time>")
     wandb_project: str = arg("", "log to this Weights & Biases project (off when empty; wandb imported only then)")
 
-    def __post_init__(self):
-        """A flag left at its default (0, "auto", "", None) takes the value that fits the run: the demo's were tuned
-        on it (shared/DEMO-CALIBRATION.md), --model's are the README's for a real model. self.resolved: those values."""
-        estimator = ADVANTAGES.get(self.advantage, ADVANTAGES["gae"])  # (check_config refuses an unknown name)
-        critic, groups, n = estimator.critic, estimator.groups, self.samples_per_prompt
+    def __post_init__(self):  # the three 'auto' words become what they mean, so config.json logs what ran
         cuda = self.device.startswith("cuda") or (self.device == "auto" and torch.cuda.is_available())
-        if self.model:  # a real model: verl's and OpenRLHF's learning rates and one pass; a demo's would wreck it
-            defaults = dict(steps=1000, batch_size=16 * n if groups else 64, response_length=256, ppo_epochs=1,
-                            lr=1e-6, critic_lr=1e-5, temperature=1.0, bf16=native_bf16(cuda), kl_coef=0.02)
-        else:  # the demo; critic-free: one pass (GRPO's mu = 1), 64 prompts x a group
-            defaults = dict(steps=(150 if self.env else 300) if critic else 800, batch_size=64 * n if groups else 256,
-                            response_length=12 * self.max_turns - 8 if self.env else 4,
-                            ppo_epochs=2 if critic else 1, lr=5e-4 if critic else 3e-4, critic_lr=1e-3,
-                            temperature=1.0 if self.env else 0.7, bf16=False,  # (T 1: the end varied 0.78-0.92)
-                            kl_coef=0.1 if self.env else 0.02, demo_warmup_steps=1300 if self.env else 1000)
-            if self.env:  # the multi-turn demo: clip-higher and the stronger KL keep its second tries exploring
-                defaults["clip_range_high"] = 0.28  # (without both: seed 2 stalled near 0.80, one hint side lost)
-        bf16 = defaults["bf16"] if self.bf16 is None else self.bf16
-        # the frozen models in bf16 on CUDA (memory) or under --bf16; the KL where its estimator puts it; flat groups
-        # out of the loss
-        defaults.update(dtype="bfloat16" if cuda or bf16 else "float32", kl_in=estimator.kl_in,
-                        drop_flat_groups=groups)
-        declared = {f.name: f.default for f in dataclasses.fields(self)}
-        unset = [k for k in defaults if getattr(self, k) == declared[k]]  # the flags left at their declared default
-        self.resolved = {k: defaults[k] for k in unset}
-        if not self.kl_estimator:  # k1 in the reward; in the loss k3 (k1's expected gradient there is 0)
-            self.resolved["kl_estimator"] = "k1" if self.resolved.get("kl_in", self.kl_in) == "reward" else "k3"
-        for name, value in self.resolved.items():
-            setattr(self, name, value)
-        if self.compile_sampler is None:  # on a CPU with a C++ compiler, where its ~90 s pay back: ~0.16 ms a token
-            compiler = shutil.which(os.environ.get("CXX", "g++")) is not None
-            # (sampled tokens; not measured for --env, whose turns re-prefill and whose budget counts observations)
-            long_run = self.steps * self.batch_size * self.response_length >= 500_000 and not self.env
-            self.resolved["compile_sampler"] = not cuda and self.static_cache and long_run and compiler
-            self.compile_sampler = self.resolved["compile_sampler"]
+        if self.kl_in == "auto":  # the estimator declares where its KL goes (ADVANTAGES)
+            self.kl_in = ADVANTAGES[self.advantage].kl_in if self.advantage in ADVANTAGES else "reward"
+        if self.kl_estimator == "auto":  # k1 in the reward; in the loss k3 (k1's expected gradient there is 0)
+            self.kl_estimator = "k1" if self.kl_in == "reward" else "k3"
+        if self.loss_agg == "auto":  # the policy loss declares its paper's aggregation (POLICY_LOSSES)
+            self.loss_agg = POLICY_LOSSES[self.policy_loss].loss_agg if self.policy_loss in POLICY_LOSSES else ""
+        if self.dtype == "auto":  # the frozen models in bf16 on CUDA (memory) or under --bf16
+            self.dtype = "bfloat16" if cuda or self.bf16 else "float32"
 
 
-def native_bf16(cuda: bool) -> bool:  # bf16 matmuls in hardware (Ampere+; CPUs with AVX512-BF16 or AMX): faster
-    if cuda:
-        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+# Presets: a run's defaults other than Config's, applied before the user's flags (a flag given is never replaced).
+# --model picks MODEL; else the demo: CRITIC_FREE_DEMO for an --advantage without a critic, then MULTI_TURN_DEMO for
+# --env demo / demo-control. The demo's values were measured on it (shared/DEMO-CALIBRATION.md, README rows 1-3, 21).
+MODEL = {"steps": 1000,
+         "batch_size": 64,  # with groups: 64 / --samples-per-prompt prompts
+         "response_length": 256,
+         "temperature": 1.0,  # sample the model's own distribution
+         "ppo_epochs": 1,  # verl's and OpenRLHF's one pass
+         "lr": 1e-6, "critic_lr": 1e-5,  # theirs too: the demo's 5e-4 / 1e-3 would wreck a real model in a few updates
+         "bf16": True}  # as TRL: bf16 autocast over fp32 weights (refused on a device without bf16 matmuls)
+CRITIC_FREE_DEMO = {"samples_per_prompt": 8, "batch_size": 512,  # 64 prompts x a group of 8
+                    "steps": 800,  # one pass over smaller steps: more iterations to the same accuracy (README row 2)
+                    "ppo_epochs": 1,  # GRPO's mu = 1
+                    "lr": 3e-4,
+                    "compile_sampler": True}  # 1.6M sampled tokens: the ~90 s compile pays back on a CPU
+MULTI_TURN_DEMO = {"steps": 150,
+                   "response_length": 16,  # 4 tokens a turn, 8 an observation, 2 turns
+                   "temperature": 1.0,  # at 0.7 the end varied 0.78-0.92
+                   "kl_coef": 0.1, "clip_range_high": 0.28,  # keep the second tries exploring (without both: seed 2
+                   # stalled near 0.80, one hint side lost)
+                   "demo_warmup_steps": 1300,  # its second half teaches the conversation's format
+                   "compile_sampler": False}  # (turns re-prefill: not measured)
+
+
+def presets(given: dict) -> list:  # [(name, values)] for a run with these flags given, in the order applied
+    if given.get("model"):
+        return [("--model", MODEL)]
+    chosen = []
+    if not ADVANTAGES.get(given.get("advantage", "gae"), ADVANTAGES["gae"]).critic:
+        chosen.append(("critic-free demo", CRITIC_FREE_DEMO))
+    if given.get("env") in ("demo", "demo-control"):
+        chosen.append(("multi-turn demo", MULTI_TURN_DEMO))
+    return chosen
+
+
+def make_config(**given) -> Config:  # the presets for these flags, then the flags themselves
+    values = {}
+    for _, preset in presets(given):
+        values.update(preset)
+    return Config(**{**values, **given})
+
+
+def native_bf16(device: torch.device) -> bool:  # bf16 matmuls in hardware: CUDA sm >= 80; CPUs with AVX512-BF16/AMX
+    if device.type == "cuda":  # the run's own device (not emulated bf16, which is_bf16_supported() counts)
+        return torch.cuda.get_device_capability(device) >= (8, 0)
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
@@ -192,7 +209,9 @@ Dist = collections.namedtuple("Dist", "rank local_rank world", defaults=(0, 0, 1
 
 @dataclass
 class Rollout:
-    """One batch of B prompts with one completion each. Sampling fills the first block; scoring fills the rest."""
+    """One batch of B rows, a prompt and its completion each; the n rows of a prompt's group lie side by side
+    (group_rows). Each stage fills its block: sampling, the frozen models' scoring, the trainer's scoring."""
+    # sampling (generate, run_episodes, make_batch)
     prompt_ids: torch.Tensor  # (B, P) left-padded prompt tokens
     prompt_mask: torch.Tensor  # (B, P) 1 on real prompt tokens
     response: torch.Tensor  # (B, T) sampled tokens; pad after EOS
@@ -204,28 +223,48 @@ class Rollout:
     # multi-turn (--env): the response columns hold every turn and, between them, the environment's observations,
     # which the models see but never sample, score or train on: response_mask covers the policy's tokens only
     context_mask: torch.Tensor = None  # (B, T) 1 on every real token, the observations' too; None: response_mask
-    turn_rewards: torch.Tensor = None  # (B, T) each turn's reward on its last policy token; None: one turn
+    episodes: dict = None  # --env: each row's turn rewards and its environment's error (or None)
     prompts: list = None  # B prompt strings as the reward sees them
     completions: list = None  # B completion strings, decoded up to (not including) EOS
+    gen_s: float = None  # seconds the sampling took
+    sampler_rng: object = None  # the sampling generator's state after this batch, and the prompts drawn by then:
+    prompts_drawn: int = None  # what a checkpoint at this batch resumes from
+    # scoring, the frozen models (score_frozen)
+    token_rewards: torch.Tensor = None  # (B, T) rewards placed on tokens: each turn's (--env) or a process reward's
+    raw_scores: torch.Tensor = None  # (B,) sequence score of the reward model / function (token_rewards' sum)
+    scores: torch.Tensor = None  # (B,) the same after the missing-EOS penalty
+    loss_mask: torch.Tensor = None  # (B, T) the policy's tokens in the rows that enter the loss (choose_loss_tokens)
+    forward_rows: torch.Tensor = None  # (B,) bool: the rows that need forwards after the reward (choose_loss_tokens)
+    row_stats: dict = None  # what choose_loss_tokens and the sampler's filters left out, for the log
+    ref_logprobs: torch.Tensor = None  # (B, T) under the frozen reference
+    # scoring, the trainer (score_trainer)
     # (B, T) under the trainer's policy before the update: PPO's "old" policy, decoupled PPO's "proximal" one
     old_logprobs: torch.Tensor = None
     entropy: torch.Tensor = None  # (B, T) the entropy of that policy's distribution at each token
-    ref_logprobs: torch.Tensor = None  # (B, T) under the frozen reference
     values: torch.Tensor = None  # (B, T) critic's value of the state before each token
-    raw_scores: torch.Tensor = None  # (B,) sequence score of the reward model / function
-    scores: torch.Tensor = None  # (B,) the same after the missing-EOS penalty
     rewards: torch.Tensor = None  # (B, T) per-token reward: -kl_coef * kl_t, plus the score on the last real token
     advantages: torch.Tensor = None  # (B, T) from the --advantage estimator (ADVANTAGES)
     returns: torch.Tensor = None  # (B, T) the critic's targets (estimators with a critic only)
     is_weight: torch.Tensor = None  # (B, T) decoupled-PPO importance weight of each token (exactly 1 when fresh)
-    loss_mask: torch.Tensor = None  # (B, T) response_mask minus the flat groups dropped
-    first_forward: tuple = None  # scoring's (logprobs, entropy, values) of the first minibatch, graphs kept: its update
-    loss_rows: torch.Tensor = None  # (B, T) bool: response_mask in the rows with a loss token (the logged statistics')
     correction: dict = None  # staleness / importance-weight statistics of this batch, for the log
+    first_forward: tuple = None  # scoring's (logprobs, entropy, values) of the first minibatch, graphs kept: its update
 
-    def rows(self, index):  # the sub-batch of rows `index` (a LongTensor); tensor fields only
-        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return Rollout(**{k: v[index] if isinstance(v, torch.Tensor) else None for k, v in values.items()})
+    def rows(self, index):  # the sub-batch of rows `index` (a LongTensor): the tensor fields, each row's
+        return Rollout(**{f.name: getattr(self, f.name)[index] if f.type is torch.Tensor and getattr(self, f.name)
+                          is not None else None for f in dataclasses.fields(self)})
+
+
+def group_rows(items: list, n: int) -> list:  # THE group layout: each item n times side by side, rows g*n .. g*n+n-1
+    return [x for x in items for _ in range(n)]
+
+
+def by_group(x, n: int):  # (B, ...) -> (B / n, n, ...): a row per group (group_rows' layout)
+    return x.view(-1, n, *x.shape[1:])
+
+
+def flat_groups(scores, n: int):  # (B,) bool: the row's group of n completions all got the same score (no signal)
+    groups = by_group(scores, n)
+    return (groups == groups[:, :1]).all(1).repeat_interleave(n)
 
 
 def positions(mask):  # (B, L) -> (B, L): position ids that count real tokens only, right under left padding
@@ -402,18 +441,39 @@ def critic_values(critic, batch: Rollout, inputs=None):  # (B, T): V(state befor
     return torch.where(mask, values, 0.0)
 
 
-@torch.no_grad()
-def score_frozen(batch: Rollout, reference, reward_fn, cfg: Config):
-    """Sequence scores and reference log-probs: no trainer weights, so the overlapped loop runs it in the producer."""
+def reward_scores(batch: Rollout, reward_fn, cfg: Config):  # the reward: a model's, a function's, an environment's
     batch.raw_scores = reward_fn(batch)  # (B,)
     batch.scores = batch.raw_scores - cfg.missing_eos_penalty * (~batch.ended).float()  # N+: penalise runs without EOS
-    scored = torch.ones_like(batch.ended)  # (B,) the rows that need reference log-probs
-    if cfg.drop_flat_groups and skip_loss_free_rows(cfg):  # not the dropped flat groups
-        scored = ~flat_groups(batch.scores, cfg.samples_per_prompt)
-    batch.ref_logprobs = batch.behav_logprobs.clone()  # (B, T); the skipped rows keep the sampler's (finite) values
+
+
+@torch.no_grad()
+def score_frozen(batch: Rollout, reference, cfg: Config):
+    """Once the rewards are in: the rows of the loss (choose_loss_tokens), and the reference's log-probs of those
+    that need forwards (the others keep the sampler's, finite). No trainer weights: the overlapped loop runs it in the
+    producer."""
+    choose_loss_tokens(batch, cfg)
+    batch.ref_logprobs = batch.behav_logprobs.clone()  # (B, T)
+    scored = batch.forward_rows
     minibatches = scored.nonzero()[:, 0].split(len(scored) // cfg.minibatches)  # (as the update's, in size)
     for rows in itertools.chain(*micro_batch_rows(batch, [m for m in minibatches if len(m)], cfg)):
         batch.ref_logprobs[rows] = rollout_logprobs(reference, batch.rows(rows), cfg)[0]
+
+
+def choose_loss_tokens(batch: Rollout, cfg: Config):
+    """THE one place that decides which rows and tokens enter the loss, once the scores are in: every forward, the
+    denominators, the update and the logged statistics read what it sets.
+      loss_mask (B, T): the policy's tokens, less the flat groups' (--drop-flat-groups: all scored the same, so their
+        group advantages are 0 and they would only dilute the token mean; DAPO);
+      forward_rows (B,): the rows that need forwards: all of them with a critic (GAE needs every row's values), a KL
+        in the reward (it enters the baselines) or torchrun micro-batches (counts must agree); else the loss's."""
+    n = cfg.samples_per_prompt
+    flat = flat_groups(batch.scores, n) if n > 1 else torch.zeros_like(batch.ended)  # (B,) groups without signal
+    kept = ~flat if cfg.drop_flat_groups else torch.ones_like(flat)
+    batch.loss_mask = batch.response_mask * kept[:, None]  # (B, T)
+    lockstep = torch.distributed.is_initialized() and (cfg.micro_batch_size or cfg.micro_batch_tokens)
+    every_row = ADVANTAGES[cfg.advantage].critic or cfg.kl_in == "reward" or lockstep
+    batch.forward_rows = kept | every_row
+    batch.row_stats = {**(batch.row_stats or {}), **({"zero_std_groups": int(flat.sum()) // n} if n > 1 else {})}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -455,14 +515,15 @@ def kl_estimate(logprobs, ref_logprobs, estimator: str):
     return torch.expm1(log_ratio) - log_ratio  # k3 (check_config allows only these three)
 
 
-def per_token_rewards(scores, kl, response_mask, kl_coef, turn_rewards=None):
+def per_token_rewards(scores, kl, response_mask, kl_coef, token_rewards=None):
     """r_t = -kl_coef * kl_t on every real token, plus the sequence score on the last real token (the mask covers
-    exactly the sampled tokens up to and including EOS, so never a pad). Multi-turn: each turn's reward on its own
-    last token (turn_rewards), and the score's change by the missing-EOS penalty on the last one."""
+    exactly the sampled tokens up to and including EOS, so never a pad). token_rewards (B, T): rewards that fall on
+    their own tokens (each turn's on its last token, a process reward's), the score's rest (the missing-EOS
+    penalty) on the last one."""
     rewards = torch.where(response_mask.bool(), -kl_coef * kl, 0.0)  # (B, T)
     last = (response_mask * torch.arange(1, response_mask.shape[1] + 1, device=kl.device)).argmax(-1, keepdim=True)
-    if turn_rewards is not None:
-        rewards, scores = rewards + turn_rewards, scores - turn_rewards.sum(-1)
+    if token_rewards is not None:
+        rewards, scores = rewards + token_rewards, scores - token_rewards.sum(-1)
     return rewards.scatter_add(1, last, scores[:, None].to(rewards.dtype))
 
 
@@ -485,11 +546,6 @@ def gae(rewards, values, response_mask, gamma: float, lam: float):
     return tuple(torch.zeros_like(x).scatter(1, order, x) for x in (advantages, returns))  # back to their columns
 
 
-def flat_groups(scores, n: int):  # (B,) bool: the row's group of n completions all got the same score
-    groups = scores.view(-1, n)
-    return (groups == groups[:, :1]).all(1).repeat_interleave(n)
-
-
 # The advantage estimators: fn(batch, cfg) -> (advantages (B, T), the critic's targets (B, T) or None). Each declares
 # what it needs: a critic, groups of --samples-per-prompt completions (rows g*n .. g*n + n-1), where the KL goes.
 
@@ -510,7 +566,7 @@ def grpo_advantages(batch: Rollout, cfg: Config, eps=1e-6):
     """GRPO (Shao et al. 2024, DeepSeekMath): A_i = (s_i - mean_group s) / (std_group s + eps), unbiased std as TRL and
     verl; --scale-rewards batch: the std of the whole batch (all ranks'); none: no division (Dr. GRPO, Liu et al.
     2025: the std favours prompts that are almost always solved or failed)."""
-    groups = batch.rewards.sum(-1).view(-1, cfg.samples_per_prompt)  # (B / n, n): the score minus the KL in the rewards
+    groups = by_group(batch.rewards.sum(-1), cfg.samples_per_prompt)  # (B / n, n): the score less the rewards' KL
     centred = groups - groups.mean(1, keepdim=True)
     if cfg.scale_rewards == "group":
         centred = centred / (groups.std(1, keepdim=True) + eps)
@@ -523,7 +579,7 @@ def grpo_advantages(batch: Rollout, cfg: Config, eps=1e-6):
 def rloo_advantages(batch: Rollout, cfg: Config):
     """RLOO (Ahmadian et al. 2024): A_i = s_i - mean_{j != i} s_j = n / (n - 1) * (s_i - mean_group s)."""
     n = cfg.samples_per_prompt
-    groups = batch.rewards.sum(-1).view(-1, n)  # (B / n, n)
+    groups = by_group(batch.rewards.sum(-1), n)  # (B / n, n)
     centred = (groups - groups.mean(1, keepdim=True)) * (n / (n - 1))
     return torch.where(batch.response_mask.bool(), centred.reshape(-1)[:, None], 0.0), None
 
@@ -541,10 +597,6 @@ def score_trainer(batch: Rollout, policy, critic, cfg: Config, row_order=None, v
     (row_order), so that its ratio is bit-exactly 1; then rewards, ADVANTAGES and the staleness correction.
     The first minibatch's forwards, when it is one micro-batch, keep their graphs for its update step (a forward fewer
     per model; both models' activations held till then). version: the trainer's (None: all fresh). -> per-token KL."""
-    n = cfg.samples_per_prompt
-    flat = flat_groups(batch.scores, n) if n > 1 else torch.zeros_like(batch.ended)  # (B,) groups without signal
-    batch.loss_mask = (batch.response_mask.bool() & ~(flat & cfg.drop_flat_groups)[:, None]).long()  # (B, T)
-    batch.loss_rows = batch.response_mask.bool() & batch.loss_mask.bool().any(1, keepdim=True)  # (B, T)
     batch.old_logprobs = batch.behav_logprobs.clone()  # (rows skipped keep the sampler's values; nothing reads them)
     batch.entropy = torch.zeros_like(batch.behav_logprobs)
     batch.values = torch.zeros_like(batch.behav_logprobs, dtype=torch.float32)  # the critic's output is fp32
@@ -564,11 +616,9 @@ def score_trainer(batch: Rollout, policy, critic, cfg: Config, row_order=None, v
     kl = kl_estimate(batch.old_logprobs, batch.ref_logprobs, cfg.kl_estimator)
     kl = torch.where(batch.response_mask.bool(), kl, 0.0)  # (B, T)
     reward_kl_coef = cfg.kl_coef if cfg.kl_in == "reward" else 0.0  # (--kl-in loss: micro_step adds it)
-    batch.rewards = per_token_rewards(batch.scores, kl, batch.response_mask, reward_kl_coef, batch.turn_rewards)
+    batch.rewards = per_token_rewards(batch.scores, kl, batch.response_mask, reward_kl_coef, batch.token_rewards)
     batch.advantages, batch.returns = ADVANTAGES[cfg.advantage].fn(batch, cfg)
     off_policy_correction(batch, cfg, version)
-    if n > 1:  # groups without signal: counted (and with --drop-flat-groups out of the loss)
-        batch.correction["zero_std_groups"] = int(flat.sum()) // n
     return kl
 
 
@@ -578,7 +628,7 @@ def off_policy_correction(batch: Rollout, cfg: Config, version=None):
     so at --max-staleness 0 this is plain PPO to the bit. --mismatch-correction: fresh tokens too (Yao et al. 2025):
     a sampler with other numerics (bf16, other kernels) is a slightly different policy even at the same version."""
     mask = batch.response_mask.bool()
-    in_loss = batch.loss_rows  # what the statistics cover: a row skipped (skip_loss_free_rows) has no prox log-probs
+    in_loss = batch.loss_mask.bool()  # what the statistics cover: a row without forwards has no prox log-probs
     age = torch.zeros_like(batch.policy_version) if version is None else version - batch.policy_version  # (B, T)
     fresh = (age == 0) & (not cfg.mismatch_correction)  # sampled with the trainer's weights
     log_ratio = batch.old_logprobs - batch.behav_logprobs  # log pi_prox / pi_behav
@@ -635,7 +685,11 @@ def cispo_loss(logprobs, mb: Rollout, cfg: Config):
     return -weight * mb.advantages * logprobs, {"clipfrac": weight != ratio}
 
 
-POLICY_LOSSES = {"ppo": ppo_loss, "gspo": gspo_loss, "cispo": cispo_loss}
+# Each loss declares its paper's aggregation (--loss-agg auto), as an estimator declares where its KL goes
+PolicyLoss = collections.namedtuple("PolicyLoss", "fn loss_agg")
+POLICY_LOSSES = {"ppo": PolicyLoss(ppo_loss, "token-mean"),
+                 "gspo": PolicyLoss(gspo_loss, "seq-mean-token-mean"),  # the GSPO paper's, and verl's
+                 "cispo": PolicyLoss(cispo_loss, "token-mean")}
 
 # A micro-batch's part of its minibatch's loss (loss_denominators): the logged means' and --loss-agg's denominators,
 # each row's token weight (b, 1) or None. The default: token means over the micro-batch itself.
@@ -649,7 +703,7 @@ def aggregate(x, mask, share: Share = Share()):  # the sum of x over mask, weigh
 def policy_objective(logprobs, mb: Rollout, cfg: Config, share: Share = Share()):
     """The --policy-loss's token losses times the decoupled-PPO weight, over the pg mask, aggregated. Statistics: the
     loss's token means, approx KL(old || new) = mean (r - 1) - log r (k3), max |r - 1|."""
-    token_loss, token_stats = POLICY_LOSSES[cfg.policy_loss](logprobs, mb, cfg)
+    token_loss, token_stats = POLICY_LOSSES[cfg.policy_loss].fn(logprobs, mb, cfg)
     if mb.is_weight is not None:
         token_loss = token_loss * mb.is_weight
     loss = aggregate(token_loss, mb.loss_mask, share)
@@ -743,21 +797,13 @@ def ppo_update(policy, critic, policy_opt, critic_opt, batch: Rollout, cfg: Conf
 
 
 def update_minibatches(batch: Rollout, cfg: Config, row_orders):
-    """Each optimizer step's rows, less those without a loss token when skip_loss_free_rows (one stays: lockstep)."""
+    """Each optimizer step's rows, less those without forwards (choose_loss_tokens; one stays: lockstep)."""
     minibatch_size = batch.response.shape[0] // cfg.minibatches
     minibatches = [rows for order in row_orders for rows in order.to(batch.response.device).split(minibatch_size)]
-    has_loss = batch.loss_mask.any(1)  # (B,)
-    if not skip_loss_free_rows(cfg) or has_loss.all():
+    if batch.forward_rows.all():
         return minibatches
-    kept = [rows[has_loss[rows]] for rows in minibatches]  # (the boolean index is each minibatch's one sync)
+    kept = [rows[batch.forward_rows[rows]] for rows in minibatches]  # (the boolean index is each minibatch's one sync)
     return [k if len(k) else rows[:1] for k, rows in zip(kept, minibatches)]
-
-
-def skip_loss_free_rows(cfg: Config) -> bool:
-    """Whether rows without a loss token skip every forward after the reward: not with a critic (GAE needs every
-    row's values), a KL in the reward (it enters the baselines), or torchrun micro-batches (counts must agree)."""
-    lockstep = torch.distributed.is_initialized() and (cfg.micro_batch_size or cfg.micro_batch_tokens)
-    return not ADVANTAGES[cfg.advantage].critic and cfg.kl_in == "loss" and not lockstep
 
 
 def micro_step(policy, critic, mb: Rollout, cfg: Config, share: Share, first=None) -> dict:
@@ -896,6 +942,9 @@ def setup(cfg: Config, ctx: Dist = Dist()):
     if device.type == "cuda":  # the current device: Triton launches, streams, events and graphs use it
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = cfg.tf32  # fp32 matmuls (trainer, fp32 heads) in TF32: README
+    if cfg.bf16 and not native_bf16(device):  # (emulated bf16 is slower than fp32)
+        raise SystemExit(f"--bf16: {device} has no bf16 matmuls (CUDA before sm 80, a CPU without AVX512-BF16 or AMX); "
+                         "pass --no-bf16")
     dtype = getattr(torch, cfg.dtype)
     torch.manual_seed(cfg.seed)
     prompt_texts = load_prompts(cfg.prompts) if cfg.prompts else None
@@ -924,7 +973,7 @@ def setup(cfg: Config, ctx: Dist = Dist()):
         run["reward_fn"] = functools.partial(reward_model_scores, reward_model, rm_tokenizer, tokenizer,
                                              use_chat_template=cfg.chat_template, micro_batch_size=rows)
     elif cfg.env:  # the environment's rewards: the episode's return
-        run["reward_fn"] = lambda batch: batch.turn_rewards.sum(-1)
+        run["reward_fn"] = lambda batch: batch.token_rewards.sum(-1)
     else:
         run["reward_fn"] = functools.partial(rule_scores, rule)
     if not cfg.prompts:
@@ -1349,7 +1398,7 @@ def run_episodes(decoder, envs, texts, seeds, tokenizer, cfg: Config, pool=None,
     conversation so far in generate(), so both decoders serve it as they are; a turn ends at a stop id; the
     environments step concurrently in `pool` (a tool call mostly waits); observations are appended as context
     (response_mask 0). A row ends when its environment is done, at --max-turns, after a turn without a stop id, or when
-    its --response-length budget (turns and observations) runs out. -> a Rollout with context_mask and turn_rewards."""
+    its --response-length budget (turns and observations) runs out. -> a Rollout with context_mask and token_rewards."""
     B, T, pad, mapper = len(envs), cfg.response_length, sampling["pad_id"], pool.map if pool else map
     try:
         first = list(mapper(lambda e, p, s: e.reset(p, seed=s)[0], envs, texts, seeds))
@@ -1424,10 +1473,10 @@ def run_episodes(decoder, envs, texts, seeds, tokenizer, cfg: Config, pool=None,
                     behav_logprobs=field(2, 0.0), policy_version=torch.full_like(response, sampling["policy_version"]),
                     ended=torch.tensor(ended, device=device), kept_ids=kept_ids)
     batch.context_mask = (torch.arange(T, device=device) < torch.tensor(used, device=device)[:, None]).long()
-    batch.turn_rewards = torch.zeros(B, T, device=device)
+    batch.token_rewards = torch.zeros(B, T, device=device)
     for r, turns in enumerate(rewards):
         for column, reward in turns:
-            batch.turn_rewards[r, column] = reward
+            batch.token_rewards[r, column] = reward
     batch.completions = tokenizer.batch_decode([row[:n] for row, n in zip(response.tolist(), used)],
                                                skip_special_tokens=True)
     batch.episodes = {"rewards": [[x for _, x in turns] for turns in rewards], "errors": errors}
@@ -1759,6 +1808,7 @@ class Training:
     history: list = field(default_factory=list)  # the iteration records
     bad_steps: int = 0  # consecutive updates skipped for non-finite values
     order: object = None  # the prompt order: an endless iterator of prompt indices
+    prompts_drawn: int = 0  # from it so far (by the producer, which may run ahead)
     decoder: object = None  # what the sampler generates with (fast_decoder)
     logger: object = None
     timer: Timer = None
@@ -1809,6 +1859,7 @@ def start_training(cfg: Config, run, output_dir: str, threaded, ctx: Dist) -> Tr
         t.start = state["step"]
         t.first_accuracy = state["first_accuracy"]
         t.elapsed = state["time_s"]
+        t.prompts_drawn = state["prompts_drawn"]
         t.last_checkpoint = cfg.resume
         t.sample_generator.set_state(state["sampler_rng"])
         t.shuffle_generator.set_state(state["shuffle_rng"])
@@ -1827,7 +1878,7 @@ def start_training(cfg: Config, run, output_dir: str, threaded, ctx: Dist) -> Tr
         write_file(os.path.join(output_dir, "config.json"), json.dumps(dataclasses.asdict(cfg), indent=2))
     t.logger = Logger(cfg, output_dir, enabled=ctx.rank == 0)
     t.timer = Timer()
-    t.order = prompt_order(len(run.prompt_ids), cfg.seed, start=t.start * (cfg.batch_size // cfg.samples_per_prompt))
+    t.order = prompt_order(len(run.prompt_ids), cfg.seed, start=t.prompts_drawn)
     t.decoder = sampler
     if run.env is not None:  # a tool call mostly waits: as many threads as rows
         t.pool = concurrent.futures.ThreadPoolExecutor(rank_rows.stop - rank_rows.start, "ppo_tokens-env")
@@ -1840,15 +1891,27 @@ def start_training(cfg: Config, run, output_dir: str, threaded, ctx: Dist) -> Tr
 
 
 def make_batch(t: Training, i: int, stop: threading.Event) -> Rollout:
-    """The producer's work for batch i (in the sampler thread when the loop overlaps): sample, score (frozen models)."""
+    """The producer's work for batch i (in the sampler thread when the loop overlaps): sample and reward completions,
+    choose the rows of the loss, score them with the reference."""
+    cfg, run = t.cfg, t.run
+    version = t.sync.pull()
+    batch = sample_and_reward(t, i, version, stop)
+    with t.timer.span("score: reference", "sampler"):
+        score_frozen(batch, run.reference, cfg)
+        if run.policy.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()  # the batch is complete before the trainer's stream reads it
+    return batch
+
+
+def sample_and_reward(t: Training, i: int, version: int, stop: threading.Event) -> Rollout:
+    """A round of sampling: the next --batch-size / --samples-per-prompt prompts, each a group of completions (this
+    rank's rows), and their rewards."""
     cfg, run = t.cfg, t.run
     with t.timer.span("generate", "sampler"):
         t0 = time.perf_counter()
-        version = t.sync.pull()
         prompts = [next(t.order) for _ in range(cfg.batch_size // cfg.samples_per_prompt)]
-        # each prompt --samples-per-prompt times, side by side (a group: grpo, rloo), every rank whole groups
-        rows = [p for p in prompts for _ in range(cfg.samples_per_prompt)][t.rank_rows]
-
+        t.prompts_drawn += len(prompts)
+        rows = group_rows(prompts, cfg.samples_per_prompt)[t.rank_rows]  # every rank whole groups
         args = dict(sampling_args(cfg, run.tokenizer.pad_token_id, run.stop_ids, run.vocab),
                     generator=t.sample_generator, policy_version=version, stop=stop)
         texts = [run.prompt_texts[r] for r in rows]
@@ -1871,10 +1934,9 @@ def make_batch(t: Training, i: int, stop: threading.Event) -> Rollout:
         batch.prompts = texts
         batch.gen_s = time.perf_counter() - t0
         batch.sampler_rng = t.sample_generator.get_state()  # the state after this batch, for a checkpoint
-    with t.timer.span("score: reference, reward", "sampler"):
-        score_frozen(batch, run.reference, run.reward_fn, cfg)
-        if run.policy.device.type == "cuda":
-            torch.cuda.current_stream().synchronize()  # the batch is complete before the trainer's stream reads it
+        batch.prompts_drawn = t.prompts_drawn
+    with t.timer.span("score: reward", "sampler"):
+        reward_scores(batch, run.reward_fn, cfg)
     return batch
 
 
@@ -1894,7 +1956,7 @@ def log_iteration(t: Training, step: int, batch: Rollout, kl, stats: dict, lr: f
     B, P, T = batch.response.shape[0], batch.prompt_ids.shape[1], batch.response.shape[1]
     response_tokens = int(batch.response_mask.sum())  # the policy's (--env: not the observations')
     sequence_tokens = int(full_sequence(batch)[1].sum())
-    kl_means = global_masked_means([(kl.sum(-1), batch.loss_rows.any(1)), (kl, batch.loss_rows)])
+    kl_means = global_masked_means([(kl.sum(-1), batch.loss_mask.any(1)), (kl, batch.loss_mask)])
     record = {"step": step,
               "reward_mean": float(batch.raw_scores.mean()),
               "kl": kl_means[0],  # per sequence, over the rows in the loss
@@ -1909,6 +1971,7 @@ def log_iteration(t: Training, step: int, batch: Rollout, kl, stats: dict, lr: f
               "eos_fraction": float(batch.ended.float().mean()),
               "lr": lr,
               **batch.correction,  # off_policy_correction's staleness and importance-weight statistics
+              **batch.row_stats,  # the rows left out of the loss (choose_loss_tokens)
               "iter_s": iter_s,
               "gen_tokens_per_s": response_tokens / batch.gen_s,
               "train_tokens_per_s": cfg.ppo_epochs * sequence_tokens / update_s,
@@ -1953,7 +2016,7 @@ def save_training(t: Training, step: int, batch: Rollout):
                     os.fsync(f.fileno())
     state = checkpoint_state(t.actor, t.critic, t.optimizers, t.schedules, t.ctx, batch.sampler_rng,
                              t.shuffle_generator, step=step, first_accuracy=t.first_accuracy,
-                             time_s=time.time() - t.run_start)
+                             time_s=time.time() - t.run_start, prompts_drawn=batch.prompts_drawn)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is disabled")  # (a single process saves alone)
         dcp.save(state, checkpoint_id=path)
@@ -2086,7 +2149,7 @@ def load_checkpoint(path: str, actor, critic, optimizers, schedules, ctx: Dist =
                          f"--nproc_per_node), not {ctx.world}")
     device = next(actor.parameters()).device
     state = checkpoint_state(actor, critic, optimizers, schedules, ctx, torch.Generator(device).get_state(),
-                             torch.Generator(), step=0, first_accuracy=None, time_s=0.0)
+                             torch.Generator(), step=0, first_accuracy=None, time_s=0.0, prompts_drawn=0)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is disabled")  # (a single process loads alone)
         dcp.load(state, checkpoint_id=path)
@@ -2123,9 +2186,10 @@ def restore_metrics(output_dir: str, step: int):
     return [r for r in records if r["step"] > 0 and "skipped_update" not in r]
 
 
-def nonfinite(batch: Rollout):  # what in a scored batch is NaN or inf, and in which rows; None when all is finite
+def nonfinite(batch: Rollout):  # the first float field of a scored batch with a NaN or inf, and in which rows
     # (behav_logprobs: a sampler whose logits went NaN still draws tokens, which sample_tokens does not check)
-    names = ("behav_logprobs", "scores", "ref_logprobs", "old_logprobs", "values", "advantages")
+    names = [f.name for f in dataclasses.fields(batch) if f.type is torch.Tensor and
+             getattr(batch, f.name) is not None and getattr(batch, f.name).is_floating_point()]
     B = batch.response.shape[0]
     bad = torch.stack([~torch.isfinite(getattr(batch, n).reshape(B, -1)).all(-1) for n in names]).tolist()  # one sync
     for name, flags in zip(names, bad):
@@ -2270,16 +2334,27 @@ LOWER_BOUNDS = {"steps": 1, "batch_size": 1, "response_length": 1, "ppo_epochs":
 
 
 def parse_config(argv=None) -> Config:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    """The flags given on the command line over the presets they choose (make_config); --resume: over the checkpoint's
+    config instead, and a flag that would change the run is refused."""
+    epilog = "presets, applied before the flags given (a flag given wins):\n" + "\n".join(
+        f"  {name}: " + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in values.items())
+        for name, values in (("--model", MODEL), ("critic-free demo (--advantage grpo, rloo, reinforce++)",
+                                                  CRITIC_FREE_DEMO), ("multi-turn demo (--env demo)", MULTI_TURN_DEMO)))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=epilog,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     argument_default=argparse.SUPPRESS)  # (only the flags given are parsed)
     for f in dataclasses.fields(Config):
         kind = {"action": argparse.BooleanOptionalAction} if f.type is bool else {"type": f.type}
         bare = {"nargs": "?", "const": "latest"} if f.name == "resume" else {}  # bare --resume: --output-dir's newest
-        parser.add_argument("--" + f.name.replace("_", "-"), default=f.default, help=f.metadata["help"], **kind, **bare)
-    args = vars(parser.parse_args(argv))
+        shown = [f"{name}: {values[f.name]}" for name, values in (("--model", MODEL), ("critic-free demo",
+                 CRITIC_FREE_DEMO), ("multi-turn demo", MULTI_TURN_DEMO)) if f.name in values]
+        parser.add_argument("--" + f.name.replace("_", "-"), help=f"{f.metadata['help']} (default: "
+                            f"{'; '.join([repr(f.default) if f.default == '' else str(f.default), *shown])})",
+                            **kind, **bare)
+    given = vars(parser.parse_args(argv))
     try:
-        if args["resume"]:  # the checkpoint's config becomes the defaults, so `--resume PATH` alone continues the run
-            path = args["output_dir"] if args["resume"] == "latest" else args["resume"]  # a checkpoint or a run
+        if "resume" in given:  # the checkpoint's config is the run's, so `--resume PATH` alone continues it
+            path = given.get("output_dir", "") if given["resume"] == "latest" else given["resume"]  # a checkpoint/run
             if not path:
                 raise ValueError("--resume needs --output-dir DIR (the run to continue), or --resume PATH")
             path = os.path.abspath(path)  # (a trailing slash or a relative path must not move the run's directory)
@@ -2288,29 +2363,32 @@ def parse_config(argv=None) -> Config:
                 raise ValueError(f"--resume: no whole checkpoint in {path} (looked for "
                                  f"{path}/checkpoints/step-*/.metadata)")
             checkpoint = found[-1]
+            names = {f.name for f in dataclasses.fields(Config)}
             with open(os.path.join(checkpoint, "config.json"), encoding="utf-8") as f:
-                saved = {k: v for k, v in json.load(f).items() if k in args}
-            if any(str(a).startswith(("--micro-batch-size", "--micro-batch-tokens")) for a in argv or sys.argv[1:]):
-                del saved["micro_batch_size"], saved["micro_batch_tokens"]  # one of the two: the other at its default
-            parser.set_defaults(**saved)
-            args = vars(parser.parse_args(argv))
-            # compared resolved; a flag newer than the checkpoint counts at its default (what that run did)
-            before = dataclasses.asdict(Config(**{**vars(parser.parse_args([])), **saved}))
-            now = dataclasses.asdict(Config(**args))
-            changed = [k for k in now if k not in RUN_ONLY and now[k] != before[k]]
+                saved = {k: v for k, v in json.load(f).items() if k in names}  # a newer flag: its default, as then
+            if {"micro_batch_size", "micro_batch_tokens"} & given.keys():  # one of the two: the other off
+                saved.update(micro_batch_size=0, micro_batch_tokens=0)
+            before, cfg = dataclasses.asdict(Config(**saved)), Config(**{**saved, **given})
+            changed = [k for k in given if k not in RUN_ONLY and getattr(cfg, k) != before[k]]
             if changed:
-                raise ValueError("--resume: " + ", ".join(f"--{k.replace('_', '-')} {now[k]} differs from the "
-                                 f"checkpoint's {before[k]}" for k in changed) + "; drop the flag or start a new run")
-            args.update(resume=checkpoint, output_dir=os.path.dirname(os.path.dirname(checkpoint)))
-        cfg = Config(**args)
+                raise ValueError("--resume: " + ", ".join(f"--{k.replace('_', '-')} {getattr(cfg, k)} differs from "
+                                 f"the checkpoint's {before[k]}" for k in changed) + "; drop the flag or start a new "
+                                 "run")
+            cfg.resume, cfg.output_dir = checkpoint, os.path.dirname(os.path.dirname(checkpoint))
+        else:
+            cfg = make_config(**given)
+            for name, values in presets(given):  # what the run takes from a preset
+                taken = [f"--{k.replace('_', '-')} {v}" for k, v in values.items() if k not in given]
+                if taken:
+                    print(f"preset {name}: {', '.join(taken)}")
         check_config(cfg)
-    except ValueError as e:
+    except (ValueError, KeyError) as e:
         parser.exit(2, f"ppo_tokens.py: error: {e}\n")
     return cfg
 
 
 def check_config(cfg: Config):
-    """Check every value and size once (Config resolved the defaults), with errors that name the flags to change."""
+    """Check every value and size once, with errors that name the flags to change."""
     demo = not cfg.model and not cfg.prompts
     world = int(os.environ.get("WORLD_SIZE", "1"))  # under torchrun --batch-size is global; each rank takes 1/world
     ranks = f" x {world} ranks (torchrun's WORLD_SIZE)" if world > 1 else ""
@@ -2319,13 +2397,11 @@ def check_config(cfg: Config):
                f"{list(words)[-1]} (got {getattr(cfg, n)!r})") for n, words in CHOICES.items()]
     checks += [(getattr(cfg, n) >= low, f"--{n.replace('_', '-')} must be >= {low} (got {getattr(cfg, n)})")
                for n, low in LOWER_BOUNDS.items()]
-    checks += [(cfg.temperature > 0,
-                f"--temperature must be > 0 (got {cfg.temperature}); for near-greedy use e.g. 0.05"),
+    checks += [(cfg.temperature > 0, f"--temperature must be > 0 (got {cfg.temperature}): PPO's ratio needs a "
+                "sampling distribution; for near-greedy use e.g. 0.05"),
                (not ADVANTAGES.get(cfg.advantage, ADVANTAGES["gae"]).groups or cfg.samples_per_prompt >= 2,
                 f"--advantage {cfg.advantage} compares the completions of a prompt: --samples-per-prompt must be >= 2 "
                 f"(got {cfg.samples_per_prompt}); e.g. 8"),
-               (cfg.samples_per_prompt >= 2 or not cfg.drop_flat_groups,
-                f"--drop-flat-groups needs groups: --samples-per-prompt >= 2 (got {cfg.samples_per_prompt})"),
                (cfg.kl_in == "reward" or cfg.kl_estimator != "k1",
                 "--kl-in loss needs --kl-estimator k2 or k3: k1's expected gradient is 0 (E[grad log pi] = 0)"),
                (cfg.samples_per_prompt < 1 or cfg.batch_size % (cfg.samples_per_prompt * world) == 0,
@@ -2366,7 +2442,6 @@ def check_config(cfg: Config):
 def main(argv=None):
     cfg = parse_config(argv)
     ctx = init_distributed(cfg)
-    print("defaults: " + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in cfg.resolved.items()))
     try:
         if cfg.bench_rollout:  # (writes nothing)
             return bench_rollout(cfg)

@@ -431,7 +431,7 @@ def test_reward_lands_on_last_real_token_never_on_pad():
     assert (rewards[~mask.bool()] == 0).all()
 
 
-def test_multi_turn_rewards_land_on_each_turns_last_policy_token():
+def test_multi_token_rewards_land_on_each_turns_last_policy_token():
     # a hand-built conversation: turn 1 (columns 0-1), an observation (2-3), turn 2 (4-5), pads (6)
     mask = torch.tensor([[1, 1, 0, 0, 1, 1, 0], [1, 1, 1, 0, 0, 0, 0]])  # row 1: one turn
     turns = torch.zeros(2, 7, dtype=torch.float64)
@@ -492,6 +492,11 @@ def test_advantage_whitening_uses_real_tokens_only():
     assert (out[~mask.bool()] == 0).all()
 
 
+def score_frozen(batch, reference, reward_fn, cfg):  # what make_batch does after sampling: the reward, then the rest
+    pt.reward_scores(batch, reward_fn, cfg)
+    pt.score_frozen(batch, reference, cfg)
+
+
 def tiny_setup(tokenizer, **cfg_overrides):
     cfg = pt.Config(**{"batch_size": 8, "minibatches": 2, "ppo_epochs": 2, "response_length": 4, **cfg_overrides})
     pt.check_config(cfg)
@@ -505,7 +510,7 @@ def tiny_setup(tokenizer, **cfg_overrides):
 
 
 def score(batch, policy, reference, critic, reward_fn, cfg, row_order=None):
-    pt.score_frozen(batch, reference, reward_fn, cfg)
+    score_frozen(batch, reference, reward_fn, cfg)
     return pt.score_trainer(batch, policy, critic, cfg, row_order)
 
 
@@ -542,7 +547,7 @@ def test_importance_weights_are_exactly_one_for_fresh_tokens_and_truncated_for_s
     cfg, policy, reference, critic, batch = tiny_setup(tokenizer, is_cap=1.5)
     batch.policy_version = torch.tensor([[5], [4], [3], [5], [4], [3], [5], [5]]).expand_as(batch.response).clone()
     batch.behav_logprobs = batch.behav_logprobs + 0.3 * torch.randn_like(batch.behav_logprobs)  # stale behaviour
-    pt.score_frozen(batch, reference, constant_reward(1.0), cfg)
+    score_frozen(batch, reference, constant_reward(1.0), cfg)
     pt.score_trainer(batch, policy, critic, cfg, version=5)
     mask, age = batch.response_mask.bool(), 5 - batch.policy_version
     assert (batch.is_weight[mask & (age == 0)] == 1.0).all()  # exactly 1, though behav != prox numerically
@@ -590,14 +595,14 @@ def test_critic_free_scoring_gives_each_token_its_completions_advantage_and_drop
     torch.testing.assert_close(batch.rewards.sum(-1), scores)  # no KL in the rewards
     expected = group_estimate(scores, 4, "rloo")
     assert torch.equal(batch.advantages, torch.where(mask, expected[:, None], 0.0))
-    assert batch.returns is None and batch.correction["zero_std_groups"] == 1
+    assert batch.returns is None and batch.row_stats["zero_std_groups"] == 1
     assert not batch.loss_mask[4:].any() and torch.equal(batch.loss_mask[:4].bool(), mask[:4])
 
 
 def test_mismatch_correction_weights_fresh_tokens_too_and_logs_the_mismatch(tokenizer):
     cfg, policy, reference, critic, batch = tiny_setup(tokenizer, mismatch_correction=True, is_cap=1.5)
     batch.behav_logprobs = batch.behav_logprobs + 0.3 * torch.randn_like(batch.behav_logprobs)  # other numerics
-    pt.score_frozen(batch, reference, constant_reward(1.0), cfg)
+    score_frozen(batch, reference, constant_reward(1.0), cfg)
     pt.score_trainer(batch, policy, critic, cfg, version=0)  # every token fresh (version 0)
     mask = batch.response_mask.bool()
     log_ratio = (batch.old_logprobs - batch.behav_logprobs).double()[mask]
@@ -843,7 +848,7 @@ def test_critic_free_update_trains_the_policy_alone_with_the_kl_in_its_loss(toke
     score(batch, policy, reference, None, constant_reward(1.0), cfg)
     adam = torch.optim.AdamW(policy.parameters(), lr=1.0)
     pt.ppo_update(policy, None, adam, None, batch, cfg, [torch.arange(8)])
-    assert batch.correction["zero_std_groups"] == 2 and not adam.state  # AdamW never stepped
+    assert batch.row_stats["zero_std_groups"] == 2 and not adam.state  # AdamW never stepped
 
 
 def test_rows_without_a_loss_token_skip_the_update_and_change_nothing(tokenizer):
@@ -856,8 +861,8 @@ def test_rows_without_a_loss_token_skip_the_update_and_change_nothing(tokenizer)
         pt.backbone_of(model).register_forward_pre_hook(
             lambda m, args, kwargs: seen.append(kwargs["input_ids"].shape[0]), with_kwargs=True)
     kl = score(batch, policy, reference, None, lambda b: torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0]), cfg)
-    assert batch.correction["zero_std_groups"] == 1 and not batch.loss_rows[4:].any()
-    assert batch.loss_rows[:4].equal(batch.response_mask[:4].bool()) and not kl[4:].any()  # the sampler's values
+    assert batch.row_stats["zero_std_groups"] == 1 and not batch.loss_mask.bool()[4:].any()
+    assert batch.loss_mask.bool()[:4].equal(batch.response_mask[:4].bool()) and not kl[4:].any()  # the sampler's values
     pt.ppo_update(policy, None, torch.optim.SGD(policy.parameters(), lr=1.0), None, batch, cfg, [torch.arange(8)])
     assert seen == [4, 4]  # the reference, the scoring pass (its graph the update's): only the rows with loss tokens
     pt.ppo_update(copy, None, torch.optim.SGD(copy.parameters(), lr=1.0), None, batch.rows(first_group), cfg,
@@ -1127,8 +1132,7 @@ def test_model_directory_prompts_file_and_reward_function(tmp_path, tokenizer):
                       "--reward", "my_rewards:score", "--response-length", "5", "--no-bf16",  # (fp32: the check below)
                       "--output-dir", str(tmp_path / "run")], tmp_path)
     assert "zero-initialised head" in out
-    assert "defaults: --ppo-epochs 1, --lr 1e-06, --critic-lr 1e-05, --temperature 1.0, --kl-coef 0.02, --dtype " \
-        "float32" in out
+    assert "preset --model: --temperature 1.0, --ppo-epochs 1, --lr 1e-06, --critic-lr 1e-05\n" in out
     records = check_outputs(tmp_path / "run", 3)
     assert "eval_accuracy" not in records[-1]
     assert all(r["response_tokens"] <= 16 * 5 for r in records)
@@ -1211,21 +1215,6 @@ def test_speed_workload_runs_with_a_critic_from_its_reward_model(tmp_path):
     records = [r for r in read_metrics(tmp_path / "run") if r["step"] > 0]
     assert len(records) == 2 and all(r["first_ratio_max_dev"] == 0.0 for r in records)
     assert all(r["padding_frac"] < 0.5 and r["response_length"] > 32 for r in records)
-
-
-def test_the_sampler_compiles_by_default_only_where_the_compile_pays_back(monkeypatch):
-    """A CPU run of >= 500k sampled tokens with a C++ compiler; never on CUDA (graphs) or without the static cache."""
-    short = dict(steps=20, batch_size=16, response_length=64, device="cpu")  # 20k tokens
-    long = {**short, "steps": 500}  # 512k tokens
-    assert not pt.Config(**short).compile_sampler
-    assert pt.Config(**long).compile_sampler == (shutil.which("g++") is not None)
-    assert pt.Config(**long).resolved["compile_sampler"] == pt.Config(**long).compile_sampler  # logged as resolved
-    assert not pt.Config(**{**long, "device": "cuda"}).compile_sampler
-    assert not pt.Config(**long, static_cache=False).compile_sampler
-    assert pt.Config(**short, compile_sampler=True).compile_sampler
-    assert not pt.Config(**long, compile_sampler=False).compile_sampler
-    monkeypatch.setenv("CXX", "no-such-compiler")
-    assert not pt.Config(**long).compile_sampler
 
 
 def write_reward_module(path):
@@ -1651,11 +1640,11 @@ def check_conversation(batch, tokenizer, observation_ids, T):
             if policy[start]:
                 n = len(ids) - (ids[-1] == tokenizer.eos_token_id)
                 rewards.append(10.0 * (len(rewards) + 1) + n)
-                assert batch.turn_rewards[r, column - 1] == rewards[-1]
+                assert batch.token_rewards[r, column - 1] == rewards[-1]
                 assert column == used or ids[-1] == tokenizer.eos_token_id  # a turn continues only after EOS
             else:
                 assert ids == observation_ids and (batch.behav_logprobs[r, start:column] == 0).all()
-        assert batch.turn_rewards[r].sum() == sum(rewards) and batch.episodes["rewards"][r] == rewards
+        assert batch.token_rewards[r].sum() == sum(rewards) and batch.episodes["rewards"][r] == rewards
         turns += len(rewards)
     return turns
 
@@ -1685,7 +1674,7 @@ def test_multi_turn_episodes_mask_observations_and_score_like_the_whole_conversa
     # two turns that every row reaches (120 tokens: EOS comes first): both decoders sample the same conversation
     plain, fast = (episodes(tokenizer, sampler, texts, T=120, max_turns=2)[1] for sampler in (policy, decoder))
     assert int(plain.context_mask.sum()) > int(plain.response_mask.sum()) > 0
-    for name in ("response", "response_mask", "context_mask", "turn_rewards", "policy_version", "ended"):
+    for name in ("response", "response_mask", "context_mask", "token_rewards", "policy_version", "ended"):
         assert torch.equal(getattr(fast, name), getattr(plain, name)), name
     torch.testing.assert_close(fast.behav_logprobs, plain.behav_logprobs, rtol=0, atol=1e-12)
     # packed scoring reads the same holes
@@ -1853,7 +1842,7 @@ def test_bad_environments_get_one_line_and_lose_nothing(tmp_path, capsys):
     assert sorted(collections.Counter(map(tuple, rows)).values()) == [4] * 4  # a group's 4 rows: one prompt, one seed
     assert len({seed for _, seed in rows}) == 4
     out = run_script(["--env", "envs:NaN", *run, "--output-dir", tmp_path / "nan"], tmp_path)  # the non-finite guard
-    assert out.count("update skipped: non-finite scores in rows [0, 1, 2") == 2
+    assert out.count("update skipped: non-finite token_rewards in rows [0, 1, 2") == 2
     for env, message in (("nowhere:make", "--env 'nowhere:make': cannot load it (ModuleNotFoundError"),
                          ("envs:broken", "--env 'envs:broken': its factory raised RuntimeError: no sandbox"),
                          ("envs:NoReset", "--env: reset() raised TypeError: 'NoneType' object is not subscriptable")):
@@ -1937,7 +1926,7 @@ def test_a_checkpoint_before_the_first_optimizer_step_keeps_adam_unstepped_and_t
     model = torch.nn.Linear(3, 2)
     optimizer = torch.optim.AdamW(model.parameters())
     state = pt.checkpoint_state(model, None, (optimizer, None), [], pt.Dist(), torch.Generator().get_state(),
-                                torch.Generator(), step=0, first_accuracy=0.5, time_s=1.0)
+                                torch.Generator(), step=0, first_accuracy=0.5, time_s=1.0, prompts_drawn=0)
     assert not optimizer.state  # get_state_dict's made-up state (AdamW's step 1) is taken back
     assert state["rank0"]["first_accuracy"] == 0.5 and "first_accuracy" not in state  # only rank 0 evaluates
     dcp.save(state, checkpoint_id=tmp_path / "step-00000000")
@@ -1949,7 +1938,7 @@ def test_a_checkpoint_before_the_first_optimizer_step_keeps_adam_unstepped_and_t
     model(torch.ones(1, 3)).sum().backward()
     optimizer.step()  # after a step the checkpoint holds the real state
     pt.checkpoint_state(model, None, (optimizer, None), [], pt.Dist(), torch.Generator().get_state(),
-                        torch.Generator(), step=1, first_accuracy=0.5, time_s=1.0)
+                        torch.Generator(), step=1, first_accuracy=0.5, time_s=1.0, prompts_drawn=0)
     assert int(optimizer.state[model.weight]["step"]) == 1
 
 
@@ -2005,7 +1994,7 @@ def test_non_finite_rewards_skip_updates_then_stop_with_the_last_good_checkpoint
                      str(tmp_path / "run")], tmp_path)
     assert proc.returncode == 1 and "stopping: 2 consecutive updates skipped for non-finite values" in proc.stderr
     assert "the last good checkpoint is" in proc.stderr and "step-00000002" in proc.stderr.splitlines()[-1]
-    assert "update skipped: non-finite scores in rows [0, 1, 2, 3, 4, 5, 6, 7] ... of 16" in proc.stdout
+    assert "update skipped: non-finite raw_scores in rows [0, 1, 2, 3, 4, 5, 6, 7] ... of 16" in proc.stdout
     records = read_metrics(tmp_path / "run")
     assert [r["step"] for r in records if "skipped_update" in r] == [3, 4]
     assert [os.path.basename(c) for c in pt.checkpoints(tmp_path / "run")] == ["step-00000001", "step-00000002"]
@@ -2067,7 +2056,7 @@ def first_iteration(world: int, rank: int, loss_agg="token-mean"):
         shorten(batch)
     batch = batch.rows(torch.arange(rank * 8 // world, (rank + 1) * 8 // world))
     actor, critic = (pt.wrap_for_training(m, cfg) for m in (pt.Actor(policy, 1.0), pt.build_critic(policy)))
-    pt.score_frozen(batch, reference, lambda b: (b.response % 3 == 0).float().sum(-1), cfg)
+    score_frozen(batch, reference, lambda b: (b.response % 3 == 0).float().sum(-1), cfg)
     pt.score_trainer(batch, actor, critic, cfg, torch.arange(8 // world))
     opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (actor, critic)]
     stats = pt.reduce_record(pt.ppo_update(actor, critic, *opts, batch, cfg, [torch.arange(8 // world)]), world)
@@ -2210,10 +2199,11 @@ def test_config_errors_name_the_flags(capsys):
              (["--kl-estimator", "k4"], "--kl-estimator must be k1, k2 or k3"),
              (["--kl-in", "both"], "--kl-in must be reward or loss"),
              (["--advantage", "ppo"], "--advantage must be gae, reinforce++, grpo or rloo"),
-             (["--advantage", "grpo"], "--advantage grpo compares the completions of a prompt: --samples-per-prompt"),
+             (["--temperature", "0"], "--temperature must be > 0 (got 0.0): PPO's ratio needs a sampling"),
+             (["--advantage", "grpo", "--samples-per-prompt", "1"],
+              "--advantage grpo compares the completions of a prompt: --samples-per-prompt"),
              (["--batch-size", "12", "--minibatches", "2", "--samples-per-prompt", "8"],
               "--batch-size 12 must be divisible by --samples-per-prompt 8"),
-             (["--drop-flat-groups"], "--drop-flat-groups needs groups: --samples-per-prompt >= 2"),
              (["--scale-rewards", "std"], "--scale-rewards must be group, batch or none"),
              (["--loss-agg", "seq-mean"], "--loss-agg must be token-mean, seq-mean-token-mean or"),
              (["--clip-range-high", "-0.1"], "--clip-range-high must be >= 0"),
@@ -2241,43 +2231,43 @@ def test_resume_refuses_a_flag_newer_than_the_checkpoint_unless_at_its_default(t
     assert "--advantage grpo differs from the checkpoint's gae" in capsys.readouterr().err
 
 
-def test_critic_free_runs_have_their_own_demo_defaults_and_a_flag_given_wins():
-    gae, grpo = pt.Config(), pt.Config(advantage="grpo", samples_per_prompt=8)
-    assert (gae.steps, gae.batch_size, gae.ppo_epochs, gae.lr, gae.drop_flat_groups) == (300, 256, 2, 5e-4, False)
-    assert gae.temperature == grpo.temperature == 0.7 and gae.demo_warmup_steps == 1000
-    assert (grpo.steps, grpo.batch_size, grpo.ppo_epochs, grpo.lr, grpo.drop_flat_groups) == (800, 512, 1, 3e-4, True)
-    given = pt.parse_config(["--advantage", "rloo", "--samples-per-prompt", "4", "--steps", "7", "--batch-size", "16",
-                             "--ppo-epochs", "3", "--lr", "1e-3", "--no-drop-flat-groups"])
-    assert (given.steps, given.batch_size, given.ppo_epochs, given.lr) == (7, 16, 3, 1e-3)
-    assert not given.drop_flat_groups  # a flag given wins
-    env = pt.Config(env="demo")  # the multi-turn demo: clip-higher and a stronger KL keep its second tries exploring
-    assert (env.steps, env.kl_coef, env.clip_range_high, env.demo_warmup_steps) == (150, 0.1, 0.28, 1300)
-    assert (gae.kl_coef, gae.clip_range_high) == (0.02, 0)
-    assert pt.Config(env="demo", kl_coef=0.0).kl_coef == 0.0  # 0 given: no KL (only the declared None is unset)
-
-
-def test_a_real_model_gets_real_model_defaults_and_the_log_lists_every_resolved_value(monkeypatch):
-    """The demo's learning rates (5e-4 / 1e-3) would wreck a real model within a few updates; --model's defaults are
-    the README's, and Config.resolved (which main prints) names every value a default resolved to. --bf16 is on with
-    --model where the device has bf16 matmuls, and then the frozen models are bf16 too; never for the demo."""
-    monkeypatch.setattr(pt, "native_bf16", lambda cuda: False)
-    real, grouped = pt.Config(model="m", device="cpu"), pt.Config(model="m", advantage="grpo", samples_per_prompt=8)
+def test_presets_change_defaults_before_the_flags_and_never_replace_a_flag_given(capsys, monkeypatch):
+    """Config's declared defaults are the single-turn demo's and run as they are; a preset (--model, the critic-free
+    or the multi-turn demo) changes some of them before the flags given, and never a flag given, also one that equals
+    Config's default (which a sentinel rule would have replaced). The log says what each preset gave."""
+    assert pt.parse_config([]) == pt.Config()  # what the fields say is what runs
+    grpo = pt.parse_config(["--advantage", "grpo"])
+    assert (grpo.samples_per_prompt, grpo.batch_size, grpo.steps, grpo.ppo_epochs, grpo.lr, grpo.compile_sampler) == \
+        (8, 512, 800, 1, 3e-4, True)
+    assert (grpo.kl_in, grpo.kl_estimator, grpo.temperature, grpo.drop_flat_groups) == ("loss", "k3", 0.7, True)
+    assert "preset critic-free demo: --samples-per-prompt 8, --batch-size 512, --steps 800" in capsys.readouterr().out
+    given = pt.parse_config(["--advantage", "rloo", "--samples-per-prompt", "4", "--steps", "300", "--batch-size", "16",
+                             "--ppo-epochs", "2", "--lr", "5e-4", "--no-compile-sampler"])  # Config's defaults, given
+    assert (given.steps, given.batch_size, given.ppo_epochs, given.lr) == (300, 16, 2, 5e-4)
+    assert not given.compile_sampler
+    assert "preset" not in capsys.readouterr().out  # nothing taken from it
+    env = pt.parse_config(["--env", "demo"])  # the multi-turn demo: clip-higher and a stronger KL keep it exploring
+    assert (env.steps, env.kl_coef, env.clip_range_high, env.demo_warmup_steps, env.temperature) == \
+        (150, 0.1, 0.28, 1300, 1.0)
+    assert env.response_length == 16 and not env.compile_sampler
+    assert pt.parse_config(["--env", "demo", "--kl-coef", "0.02"]).kl_coef == 0.02  # equal to Config's: kept
+    assert pt.parse_config(["--env", "demo", "--kl-coef", "0"]).kl_coef == 0.0
+    real = pt.make_config(model="m", device="cpu")  # a demo's learning rates would wreck a real model
     assert (real.lr, real.critic_lr, real.steps, real.batch_size, real.response_length, real.ppo_epochs) == \
         (1e-6, 1e-5, 1000, 64, 256, 1)
-    assert (grouped.lr, grouped.batch_size, grouped.ppo_epochs, grouped.kl_in, grouped.kl_estimator) == \
-        (1e-6, 128, 1, "loss", "k3")
-    assert real.dtype == "float32" and real.resolved["dtype"] == "float32"  # auto: bfloat16 on CUDA or under --bf16
-    assert real.resolved.pop("compile_sampler") == (shutil.which("g++") is not None)  # 16M sampled tokens on a CPU
-    assert real.resolved == {"steps": 1000, "batch_size": 64, "response_length": 256, "ppo_epochs": 1, "lr": 1e-6,
-                             "critic_lr": 1e-5, "temperature": 1.0, "bf16": False, "kl_coef": 0.02, "dtype": "float32",
-                             "kl_in": "reward", "drop_flat_groups": False, "kl_estimator": "k1"}
-    monkeypatch.setattr(pt, "native_bf16", lambda cuda: True)
-    bf16 = pt.Config(model="m", device="cpu")
-    assert bf16.resolved["bf16"] and bf16.resolved["dtype"] == "bfloat16"
-    assert pt.Config(model="m", bf16=False).dtype == "float32" and not pt.Config().bf16  # (the demo)
-    given = pt.Config(model="m", lr=3e-6, dtype="bfloat16", drop_flat_groups=False)
-    assert given.lr == 3e-6 and given.dtype == "bfloat16"  # a flag given wins, and is not listed
-    assert not {"lr", "dtype", "drop_flat_groups"} & given.resolved.keys()
+    assert real.temperature == 1.0 and real.bf16 and real.dtype == "bfloat16" and not real.compile_sampler
+    assert pt.make_config(model="m", bf16=False, device="cpu").dtype == "float32"  # auto: bf16 on CUDA or --bf16
+    assert pt.make_config(model="m", temperature=0.7, lr=5e-4).lr == 5e-4  # the demo's values, given: kept
+    grouped = pt.make_config(model="m", advantage="grpo", samples_per_prompt=8)
+    assert (grouped.batch_size, grouped.kl_in, grouped.kl_estimator) == (64, "loss", "k3")  # --model's, not the demo's
+    # the 'auto' words: an estimator declares where its KL goes, a policy loss its paper's aggregation
+    assert pt.make_config(policy_loss="gspo").loss_agg == "seq-mean-token-mean"  # as the GSPO paper and verl
+    assert pt.make_config(policy_loss="gspo", loss_agg="token-mean").loss_agg == "token-mean"
+    assert pt.make_config(policy_loss="cispo").loss_agg == pt.Config().loss_agg == "token-mean"
+    assert pt.make_config(advantage="grpo", kl_in="reward").kl_estimator == "k1"
+    monkeypatch.setattr(pt, "native_bf16", lambda device: False)  # --bf16 where it would be emulated: refused
+    with pytest.raises(SystemExit, match="--bf16: cpu has no bf16 matmuls .*; pass --no-bf16"):
+        pt.setup(pt.Config(bf16=True, device="cpu"))
 
 
 def test_help_lists_every_config_field():
@@ -2285,6 +2275,8 @@ def test_help_lists_every_config_field():
     for f in pt.dataclasses.fields(pt.Config):
         assert "--" + f.name.replace("_", "-") in out
     assert "PPO ratio clip epsilon" in out
+    assert "(default: 300; --model: 1000; critic-free demo: 800; multi-turn demo: 150)" in " ".join(out.split())
+    assert "multi-turn demo (--env demo): --steps 150, --response-length 16" in out  # the presets, whole
 
 
 def exit_of(argv, capsys):  # (exit status, message) of the real entry point, in-process
@@ -3126,7 +3118,7 @@ def test_reinforce_pp_needs_no_critic_nor_groups_and_micro_batches_score_the_sam
     estimator = pt.ADVANTAGES["reinforce++"]
     assert not estimator.critic and not estimator.groups and estimator.kl_in == "reward"
     cfg = pt.parse_config(["--advantage", "reinforce++", "--samples-per-prompt", "1"])  # accepted: no groups needed
-    assert cfg.kl_in == "reward" and cfg.kl_estimator == "k1" and not cfg.drop_flat_groups and cfg.ppo_epochs == 1
+    assert cfg.kl_in == "reward" and cfg.kl_estimator == "k1" and cfg.ppo_epochs == 1
     run = pt.setup(pt.Config(advantage="reinforce++", demo_warmup_steps=0, demo_cache=str(tmp_path), eval_size=40,
                              device="cpu"))
     assert run.critic is None  # setup built no critic
@@ -3213,9 +3205,9 @@ def test_a_new_loss_and_estimator_are_one_function_and_one_table_entry_each(toke
         calls.append("advantages")
         return batch.response_mask.to(batch.rewards.dtype), None
 
-    monkeypatch.setitem(pt.POLICY_LOSSES, "doubled", doubled_ppo)
+    monkeypatch.setitem(pt.POLICY_LOSSES, "doubled", pt.PolicyLoss(doubled_ppo, loss_agg="token-mean"))
     monkeypatch.setitem(pt.ADVANTAGES, "ones", pt.Estimator(ones, critic=False, groups=False, kl_in="loss"))
-    cfg = pt.Config(advantage="ones")  # the entry's declarations set the defaults: no critic, the KL in the loss
+    cfg = pt.make_config(advantage="ones")  # the entry's declarations set the defaults: no critic, the KL in the loss
     assert (cfg.kl_in, cfg.kl_estimator, cfg.ppo_epochs, cfg.steps) == ("loss", "k3", 1, 800)
     stats, batch, step = variant_update(tokenizer, policy_loss="doubled", advantage="ones")
     assert calls == ["advantages", "loss"] and batch.returns is None and "vf_loss" not in stats
