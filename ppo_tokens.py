@@ -64,6 +64,8 @@ class Config:
     max_turns: int = arg(2, "multi-turn (--env): the policy's turns per episode at most")
     env_latency: float = arg(0.0, "multi-turn: seconds each environment step waits first (a tool's latency, to bench)")
     chat_template: bool = arg(True, "wrap each prompt in the tokenizer's chat template when it has one")
+    task: str = arg("demo", "'module:factory', factory(cfg) -> Task: prompts, reward, model, warm-up, held-out "
+                            "evaluation, each where no flag gives it; 'demo': the built-in addition task; '': none")
     max_prompt_length: int = arg(512, "longest prompt in tokens; longer ones keep their last tokens (warned)")
     # rollout
     steps: int = arg(300, "PPO iterations (a batch and its update each)")
@@ -151,7 +153,8 @@ class Config:
 # Presets: a run's defaults other than Config's, applied before the user's flags (a flag given is never replaced).
 # --model picks MODEL; else the demo: CRITIC_FREE_DEMO for an --advantage without a critic, then MULTI_TURN_DEMO for
 # --env demo / demo-control. The demo's values were measured on it (shared/DEMO-CALIBRATION.md, README rows 1-3, 21).
-MODEL = {"steps": 1000,
+MODEL = {"task": "",  # the model's own prompts and reward (--prompts, --reward / --reward-model / --env)
+         "steps": 1000,
          "batch_size": 64,  # with groups: 64 / --samples-per-prompt prompts
          "response_length": 256,
          "temperature": 1.0,  # sample the model's own distribution
@@ -172,15 +175,15 @@ MULTI_TURN_DEMO = {"steps": 150,
                    "compile_sampler": False}  # (turns re-prefill: not measured)
 
 
-def presets(given: dict) -> list:  # [(name, values)] for a run with these flags given, in the order applied
+PRESETS = {"--model": MODEL, "critic-free demo": CRITIC_FREE_DEMO, "multi-turn demo": MULTI_TURN_DEMO}
+
+
+def presets(given: dict) -> list:  # [(name, values)] of the PRESETS for a run with these flags given, as applied
     if given.get("model"):
         return [("--model", MODEL)]
-    chosen = []
-    if not ADVANTAGES.get(given.get("advantage", "gae"), ADVANTAGES["gae"]).critic:
-        chosen.append(("critic-free demo", CRITIC_FREE_DEMO))
-    if given.get("env") in ("demo", "demo-control"):
-        chosen.append(("multi-turn demo", MULTI_TURN_DEMO))
-    return chosen
+    critic = ADVANTAGES.get(given.get("advantage", "gae"), ADVANTAGES["gae"]).critic
+    demos = ("critic-free demo",) * (not critic) + ("multi-turn demo",) * (given.get("env") in ("demo", "demo-control"))
+    return [(name, PRESETS[name]) for name in demos]
 
 
 def make_config(**given) -> Config:  # the presets for these flags, then the flags themselves
@@ -865,8 +868,8 @@ def train(cfg: Config, run, output_dir: str, threaded=None, ctx: Dist = Dist()):
     t = start_training(cfg, run, output_dir, threaded, ctx)  # sampler copy, trained models, optimizers, a resume
     device = run.policy.device
     with StopSignal() as stop, contextlib.closing(t):
-        if run.eval_ids is not None and not cfg.resume and ctx.rank == 0:  # the demo's accuracy before PPO
-            scores = evaluate(t.evaluator, run.tokenizer, run.eval_ids, run.eval_texts, cfg, cfg.seed + 2, run.env)
+        if run.task.evaluate is not None and not cfg.resume and ctx.rank == 0:  # the held-out scores before PPO
+            scores = run.task.evaluate(t.evaluator, run.tokenizer, cfg)
             t.first_accuracy = scores["eval_accuracy"]
             t.logger.log({"step": 0, **scores, "time_s": 0.0})
             print(f"held-out sampled accuracy before PPO: {t.first_accuracy:.3f}" + "".join(
@@ -935,8 +938,24 @@ def train(cfg: Config, run, output_dir: str, threaded=None, ctx: Dist = Dist()):
 # ================================================================================================================
 
 
-def setup(cfg: Config, ctx: Dist = Dist()):
-    """Tokenizer, policy (warmed up for the demo), reference, critic, reward function, prompts; cheap checks first."""
+@dataclass
+class Run:
+    """What setup() builds for a run: the models, the tokenizer, the prompts, the reward, the task's hooks."""
+    tokenizer: object
+    policy: nn.Module  # the trained policy, fp32
+    reference: nn.Module  # Actor over a frozen copy of the policy
+    critic: nn.Module  # ScalarHeadModel, or None for an estimator without one
+    reward_fn: object  # Rollout -> (B,) scores
+    prompt_texts: list  # the training prompts, as the reward sees them
+    prompt_ids: list  # and as token ids (format_prompts)
+    stop_ids: list  # every id that ends a completion
+    vocab: int  # the sampled ids: < vocab
+    env: object  # --env's factory, or None
+    task: "Task"  # the task's hooks: warm-up, held-out evaluation
+
+
+def setup(cfg: Config, ctx: Dist = Dist()) -> Run:
+    """Tokenizer, policy (warmed up by the task), reference, critic, reward function, prompts; cheap checks first."""
     name = cfg.device if cfg.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(f"cuda:{ctx.local_rank}" if name == "cuda" else name)  # torchrun: one GPU per local rank
     if device.type == "cuda":  # the current device: Triton launches, streams, events and graphs use it
@@ -947,20 +966,14 @@ def setup(cfg: Config, ctx: Dist = Dist()):
                          "pass --no-bf16")
     dtype = getattr(torch, cfg.dtype)
     torch.manual_seed(cfg.seed)
-    prompt_texts = load_prompts(cfg.prompts) if cfg.prompts else None
-    rule = load_function(cfg.reward) if cfg.reward else addition_reward
-    tokenizer, policy, stop_ids, vocab = load_policy(cfg, device)
-    run = dict(tokenizer=tokenizer, policy=policy, eval_ids=None, eval_texts=None, prompt_texts=prompt_texts,
-               stop_ids=stop_ids, vocab=vocab, critic=None, env=load_env(cfg.env) if cfg.env else None)
-    if not cfg.prompts:
-        # all (a, b) in 0..99 x 0..99, split into training and held-out pairs once: the same split for every --seed
-        pairs = [divmod(i, 100) for i in torch.randperm(10_000, generator=torch.Generator().manual_seed(1234)).tolist()]
-        train_pairs = pairs[cfg.eval_size:]
-        run["prompt_texts"] = [addition_prompt(a, b) for a, b in train_pairs]
-        run["eval_texts"] = [addition_prompt(a, b) for a, b in pairs[:cfg.eval_size]]
-        run["eval_ids"] = format_prompts(tokenizer, run["eval_texts"], cfg.chat_template, cfg.max_prompt_length)
-    run["prompt_ids"] = format_prompts(tokenizer, run["prompt_texts"], cfg.chat_template, cfg.max_prompt_length)
-    longest = max(map(len, run["prompt_ids"]))
+    task = load_task(cfg)  # what a flag does not give, the task does (the demo's: addition_task)
+    prompt_texts = load_prompts(cfg.prompts) if cfg.prompts else task.prompts
+    rule = load_function(cfg.reward) if cfg.reward else task.reward
+    tokenizer, policy, stop_ids, vocab = load_policy(cfg, device, task)
+    if not prompt_texts:
+        raise SystemExit("no prompts: pass --prompts FILE.jsonl, or a --task that has them")
+    prompt_ids = format_prompts(tokenizer, prompt_texts, cfg.chat_template, cfg.max_prompt_length)
+    longest = max(map(len, prompt_ids))
     context = getattr(policy.config, "max_position_embeddings", None)
     if context and longest + cfg.response_length > context:
         raise SystemExit(f"the longest prompt ({longest} tokens) plus --response-length {cfg.response_length} exceeds "
@@ -970,16 +983,18 @@ def setup(cfg: Config, ctx: Dist = Dist()):
         reward_model, rm_tokenizer = load_reward_model(cfg.reward_model, device, dtype)
         same_tokenizer = same_vocabulary(rm_tokenizer, tokenizer)
         rows = cfg.micro_batch_size or cfg.batch_size // cfg.minibatches // ctx.world
-        run["reward_fn"] = functools.partial(reward_model_scores, reward_model, rm_tokenizer, tokenizer,
-                                             use_chat_template=cfg.chat_template, micro_batch_size=rows)
+        reward_fn = functools.partial(reward_model_scores, reward_model, rm_tokenizer, tokenizer,
+                                      use_chat_template=cfg.chat_template, micro_batch_size=rows)
     elif cfg.env:  # the environment's rewards: the episode's return
-        run["reward_fn"] = lambda batch: batch.token_rewards.sum(-1)
+        reward_fn = episode_return
+    elif rule is not None:
+        reward_fn = functools.partial(rule_scores, rule)
     else:
-        run["reward_fn"] = functools.partial(rule_scores, rule)
-    if not cfg.prompts:
-        if ctx.rank > 0:  # rank 0 warms up and fills the cache first; the other ranks then load it
+        raise SystemExit("no reward: pass --reward module:function, --reward-model DIR, --env, or a --task with one")
+    if task.warmup is not None:  # e.g. supervised steps, so that PPO starts from a policy that is sometimes right
+        if ctx.rank > 0:  # rank 0 warms up first (and may fill a cache); the other ranks then
             torch.distributed.barrier()
-        demo_warmup(policy, tokenizer, train_pairs, cfg)
+        task.warmup(policy, tokenizer, cfg)
         if ctx.rank == 0 and ctx.world > 1:
             torch.distributed.barrier()
     unpackable = ""  # why packed forwards cannot be used (use_packed_attention)
@@ -989,13 +1004,12 @@ def setup(cfg: Config, ctx: Dist = Dist()):
                              f"{longest}-token prompt + --response-length {cfg.response_length}); raise it")
         unpackable = use_packed_attention(backbone_of(policy), cfg.bf16)  # before the copies, which inherit it
     reference = cast_parameters(copy.deepcopy(policy), dtype).requires_grad_(False)
-    run["reference"] = Actor(reference, cfg.temperature, cfg.full_logits, vocab)
-    critic_from = f"no critic (--advantage {cfg.advantage})"
+    critic, critic_from = None, f"no critic (--advantage {cfg.advantage})"
     if ADVANTAGES[cfg.advantage].critic:
-        run["critic"] = build_critic(policy, reward_model, same_tokenizer)
+        critic = build_critic(policy, reward_model, same_tokenizer)
         critic_from = f"critic from {'the reward model' if same_tokenizer else 'the policy, zero-initialised head'}"
         if cfg.micro_batch_tokens and not unpackable:  # (a critic from the reward model: its own attention)
-            unpackable = use_packed_attention(run["critic"].backbone, cfg.bf16)
+            unpackable = use_packed_attention(critic.backbone, cfg.bf16)
     if cfg.micro_batch_tokens and any_rank(bool(unpackable), device):  # all pack or none: DDP pairs micro-batches
         unpackable = unpackable or "another rank's model cannot run packed"
     if unpackable:  # padded micro-batches of as many rows as the token budget holds at the longest padded length
@@ -1006,10 +1020,11 @@ def setup(cfg: Config, ctx: Dist = Dist()):
         cfg.micro_batch_tokens = 0
         cfg.micro_batch_size = rows
     print(f"policy {sum(p.numel() for p in policy.parameters()) / 1e6:.2f}M parameters on {device}; {critic_from}")
-    return dataclasses.make_dataclass("Run", run.keys())(**run)
+    return Run(tokenizer, policy, Actor(reference, cfg.temperature, cfg.full_logits, vocab), critic, reward_fn,
+               prompt_texts, prompt_ids, stop_ids, vocab, load_env(cfg.env) if cfg.env else None, task)
 
 
-def load_policy(cfg: Config, device):  # -> (tokenizer, policy in fp32: bf16 Adam updates round away, stop ids, vocab)
+def load_policy(cfg: Config, device, task):  # -> (tokenizer, fp32 policy (bf16 Adam steps round away), stop ids, vocab)
     if cfg.model:
         from transformers import AutoModelForCausalLM, AutoTokenizer
         try:
@@ -1018,14 +1033,15 @@ def load_policy(cfg: Config, device):  # -> (tokenizer, policy in fp32: bf16 Ada
         except (OSError, ValueError) as e:
             raise SystemExit(f"--model {cfg.model}: cannot load a causal LM and its tokenizer "
                              f"({str(e).splitlines()[0]})")
+    elif task.model is not None:
+        tokenizer, policy = task.model(cfg)
     else:
-        tokenizer = build_demo_tokenizer(hints=cfg.env in ENVIRONMENTS)
-        policy = build_demo_policy(tokenizer, cfg.seed, cfg.demo_hidden, cfg.demo_layers)
+        raise SystemExit("no model: pass --model (an HF causal LM), or a --task that builds one")
     if policy.config.model_type in ("rwkv", "xlstm", "recurrent_gemma", "mamba", "falcon_mamba"):
         raise SystemExit(f"--model {cfg.model}: {policy.config.model_type} is not supported: its recurrent state "
                          "ignores left padding or its 1-token decode steps (the sampler batches left-padded prompts)")
     if tokenizer.eos_token_id is None:
-        raise SystemExit(f"the tokenizer of {cfg.model or 'the demo'} has no EOS token; set eos_token in its config")
+        raise SystemExit(f"the tokenizer of {cfg.model or 'the task'} has no EOS token; set eos_token in its config")
     stop_ids = stop_token_ids(tokenizer, policy)
     vocab = ensure_pad_token(tokenizer, policy, stop_ids)
     disable_dropout(policy)
@@ -1035,28 +1051,6 @@ def load_policy(cfg: Config, device):  # -> (tokenizer, policy in fp32: bf16 Ada
                   "log-probs from its full logits (--full-logits)")
         cfg.full_logits = True
     return tokenizer, policy, stop_ids, vocab
-
-
-def build_demo_tokenizer(hints=False):  # the addition demo's: one token per character (hints: the env's < and >)
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-    vocab = {t: i for i, t in enumerate(["<pad>", "<bos>", "<eos>", "<unk>", *"0123456789+=", *"<>" * hints])}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")  # one token per character
-    tok.decoder = decoders.Fuse()  # join characters back without spaces
-    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", vocab["<bos>"])])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
-                                   unk_token="<unk>", padding_side="left")
-
-
-def build_demo_policy(tokenizer, seed: int, hidden=128, layers=3):  # ~0.6M parameters: shared/DEMO-CALIBRATION.md
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
-                         num_key_value_heads=4, intermediate_size=hidden * 43 // 16, max_position_embeddings=64,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
-    return LlamaForCausalLM(config)
 
 
 PAD_TOKEN = "<|ppo_tokens_pad|>"
@@ -1189,14 +1183,29 @@ def wrap_for_training(model, cfg: Config):  # torchrun: DDP, or --fsdp FSDP2 (ea
 # prompts and rewards
 
 
-def addition_prompt(a: int, b: int) -> str:
-    return f"{a}+{b}="
+@dataclass
+class Task:
+    """What a task gives a run through the interfaces a user has too, each part where no flag gives it: --task
+    module:factory names factory(cfg) -> Task; the built-in demo is addition_task (the end of this file)."""
+    prompts: list = None  # training prompt texts (as --prompts)
+    reward: object = None  # (prompts, completions, **facts) -> a score (or per-token rewards) each (as --reward)
+    model: object = None  # cfg -> (tokenizer, causal LM) (as --model)
+    warmup: object = None  # (policy, tokenizer, cfg): before the reference and the critic copy the policy
+    evaluate: object = None  # (policy, tokenizer, cfg) -> {"eval_accuracy": x, "eval_...": y}: held-out scores,
+    # before PPO and every --eval-every iterations, logged and printed
 
 
-def addition_reward(prompts, completions, ended, **facts):
-    """The demo's verifiable reward, through the --reward interface: 1 for the exact sum followed by EOS, else 0."""
-    pairs = (prompt.rstrip("=").split("+") for prompt in prompts)
-    return [float(e and c.strip() == str(int(a) + int(b))) for (a, b), c, e in zip(pairs, completions, ended)]
+def load_task(cfg: Config) -> Task:  # --task: a name in TASKS, or 'module:factory'
+    if not cfg.task:
+        return Task()
+    factory = TASKS.get(cfg.task) or load_function(cfg.task, "--task")
+    try:
+        task = factory(cfg)
+    except Exception as e:
+        raise SystemExit(f"--task {cfg.task!r}: its factory raised {type(e).__name__}: {e}")
+    if not isinstance(task, Task):
+        raise SystemExit(f"--task {cfg.task!r}: the factory returned a {type(task).__name__}, not a ppo_tokens.Task")
+    return task
 
 
 def load_prompts(path: str):
@@ -1309,6 +1318,10 @@ def with_facts(fn, *args, **facts):  # fn(*args, **the facts it names), all of t
     return fn(*args, **facts)
 
 
+def episode_return(batch: Rollout):  # --env: the score is the sum of the episode's rewards, each on its turn's token
+    return batch.token_rewards.sum(-1)
+
+
 def rule_scores(rule, batch: Rollout):
     """(B,) a reward function's scores, checked. It gets prompts and completions and, where it names them (or takes
     **kwargs), completion_ids (the stop token excluded) and ended (it emitted a stop token)."""
@@ -1330,36 +1343,6 @@ def rule_scores(rule, batch: Rollout):
 
 # ----------------------------------------------------------------------------------------------------------------
 # environments (--env): multi-turn rollouts through Gymnasium's API over text
-
-
-class AdditionRetry:
-    """The multi-turn demo's game: the number is a+b or its neighbour 10 below or above (hidden, of the episode's seed).
-    A wrong guess gets the question again and a hint, '<' (too low) or '>' (too high), and another try (--max-turns);
-    hint=False ('demo-control'): '=' instead of the hint. Reward 1 for the number then EOS."""
-
-    def __init__(self, hint=True):
-        self.hint = hint
-
-    def reset(self, prompt: str, seed: int = None):  # -> (observation: the first user message, info)
-        a, b = prompt.rstrip("=").split("+")
-        self.question, self.answer = prompt, neighbour(int(a) + int(b), random.Random(seed).choice((-10, 0, 10)))
-        return prompt, {}
-
-    def step(self, action: str, ended: bool = True):  # -> (observation, reward, terminated, truncated, info)
-        if ended and action.strip() == str(self.answer):
-            return "", 1.0, True, False, {}
-        return self.question + retry_hint(action, self.answer, self.hint), 0.0, False, False, {}
-
-
-def neighbour(n: int, d: int) -> int:  # n + d, or n - d where n + d is negative or has another number of digits
-    return n + d if n + d >= 0 and (n < 10 or len(str(n + d)) == len(str(n))) else n - d
-
-
-def retry_hint(guess: str, answer: int, hint=True) -> str:
-    return ("<" if (int(guess) if guess.strip().isdigit() else -1) < answer else ">") if hint else "="
-
-
-ENVIRONMENTS = {"demo": AdditionRetry, "demo-control": functools.partial(AdditionRetry, hint=False)}
 
 
 def env_step(env, action: str, latency: float, facts: dict):
@@ -1481,111 +1464,6 @@ def run_episodes(decoder, envs, texts, seeds, tokenizer, cfg: Config, pool=None,
                                                skip_special_tokens=True)
     batch.episodes = {"rewards": [[x for _, x in turns] for turns in rewards], "errors": errors}
     return batch
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# the built-in demo: supervised warm-up and held-out evaluation
-
-
-@torch.no_grad()
-def evaluate(policy, tokenizer, prompt_ids, prompt_texts, cfg: Config, seed: int, env=None, chunk=500) -> dict:
-    """Sampled accuracy (as training samples), re-seeded: successive evaluations differ only by the weights. env (the
-    multi-turn demo): greedy success within --max-turns, on the first turn, and on the second try after a miss."""
-    device = policy.device
-    generator = torch.Generator(device).manual_seed(seed)
-    args = sampling_args(cfg, tokenizer.pad_token_id, tokenizer.eos_token_id)
-    if env is not None:  # greedy: the policy's best answer each turn, so that the second try shows what it learned
-        args["top_k"] = 1
-    first_success = []  # per prompt: the turn of its first reward (1, 2, ...), 0 for none
-    for start in range(0, len(prompt_ids), chunk):
-        texts = prompt_texts[start:start + chunk]
-        if env is None:
-            ids, mask = left_pad(prompt_ids[start:start + chunk], tokenizer.pad_token_id, device)
-            batch = generate(policy, ids, mask, **args, generator=generator)
-            first_success += addition_reward(texts, decode_completions(tokenizer, batch), batch.ended.tolist())
-        else:
-            seeds = [seed * 1_000_003 + start + k for k in range(len(texts))]  # (the same tasks every evaluation)
-            batch = run_episodes(policy, [env() for _ in texts], texts, seeds, tokenizer, cfg, None, **args,
-                                 generator=generator)
-            first_success += [next((k + 1 for k, x in enumerate(turns) if x > 0), 0)
-                              for turns in batch.episodes["rewards"]]
-    share = [sum(0 < k <= turn for k in first_success) / len(first_success) for turn in (1, 2, cfg.max_turns)]
-    if env is None:
-        return {"eval_accuracy": share[0]}
-    return {"eval_accuracy": share[2], "eval_turn1": share[0], "eval_second_try": (share[1] - share[0]) / max(
-        1e-9, 1 - share[0])}
-
-
-def demo_warmup(policy, tokenizer, train_pairs, cfg: Config):
-    """Supervised warm-up, so that PPO starts from a policy that is sometimes right. A fixed number of steps: a stop
-    at an accuracy threshold moved with rounding, as does the loss's drop (CPU: 300-500 steps, H200: 500+). Cached."""
-    retry = cfg.env in ENVIRONMENTS  # the multi-turn demo: its second half also shows the game's format
-    key = json.dumps([policy.config.to_json_string(), sorted(tokenizer.get_vocab().items()), cfg.seed,
-                      cfg.demo_warmup_lr, cfg.demo_warmup_steps, inspect.getsource(demo_warmup),  # (an edit: anew)
-                      *([cfg.env] if retry else [])])
-    name = f"demo-warmup-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
-    path = os.path.join(os.path.expanduser(cfg.demo_cache), name)
-    if os.path.exists(path):
-        saved = torch.load(path, map_location=policy.device)
-        policy.load_state_dict(saved["state_dict"])
-        print(f"warm-up: loaded {path} ({saved['steps']} steps, sampled train accuracy {saved['accuracy']:.2f})")
-        return
-    if cfg.demo_warmup_steps == 0:
-        return
-    t0 = time.time()
-    # beta2 0.95, as in LLM pre-training: with 0.999 the accuracy's jump came anywhere from ~250 to 700+ steps
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.demo_warmup_lr, betas=(0.9, 0.95), weight_decay=0.0)
-    # a 50-step LR warm-up; multi-turn: then down to 5% over the second half (surer sums: seed 1 ends 0.98, not 0.90)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / 50, 2.0 * (1 - s / cfg.demo_warmup_steps) + 0.05 if retry else 1.0))
-    rng = random.Random(cfg.seed)
-    all_ids = format_prompts(tokenizer, [addition_prompt(a, b) for a, b in train_pairs], False, 64)
-    answers = [tokenizer(str(a + b), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-               for a, b in train_pairs]
-    for step in range(1, cfg.demo_warmup_steps + 1):
-        rows = rng.sample(range(len(train_pairs)), 128)
-        ids, mask = left_pad([all_ids[i] for i in rows], tokenizer.pad_token_id, policy.device)
-        seqs, loss = [answers[i] for i in rows], None
-        mixed = retry and step > cfg.demo_warmup_steps // 2  # the second half: the conversation's format too
-        if mixed:  # every other row a second try after a miss W (1 or 20 off): W<eos>, a+b=, the hint (W against the
-            # answer, as the game's), then the answer: the sum or, for a fifth, a neighbour on either side. Left to PPO:
-            seqs, loss = [], []  # after a miss of the sum itself, the answer is the neighbour the hint points to
-            for k, i in enumerate(rows):
-                total = sum(train_pairs[i])
-                miss, target = total + rng.choice((-20, -1, 1, 20)), total
-                miss = miss if miss >= 0 else 2 * total - miss
-                if rng.random() < 0.2:
-                    target = neighbour(total, rng.choice((-10, 10)))
-                hint = addition_prompt(*train_pairs[i]) + retry_hint(str(miss), target, cfg.env == "demo")
-                context = [] if k % 2 == 0 else tokenizer(f"{miss}", add_special_tokens=False)["input_ids"] + [
-                    tokenizer.eos_token_id] + tokenizer(hint, add_special_tokens=False)["input_ids"]
-                answer = answers[i] if k % 2 == 0 else tokenizer(str(target), add_special_tokens=False)[
-                    "input_ids"] + [tokenizer.eos_token_id]
-                seqs.append(context + answer)
-                loss.append([0] * len(context) + [1] * len(answer))  # the loss on the answer and its EOS only
-        response = tokenizer.pad({"input_ids": seqs}, padding_side="right", return_tensors="pt").to(policy.device)
-        batch = Rollout(ids, mask, response["input_ids"], response["attention_mask"], None, None, None)
-        if mixed:
-            batch.context_mask = batch.response_mask
-            batch.response_mask = torch.tensor([x + [0] * (batch.response.shape[1] - len(x)) for x in loss],
-                                               device=policy.device)
-        logprobs, _ = sequence_logprobs(policy, *full_sequence(batch), batch.response, batch.response_mask, 1.0,
-                                        full_logits=cfg.full_logits)
-        loss = -masked_mean(logprobs, batch.response_mask)  # cross-entropy on the answer and its EOS only
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad(set_to_none=True)
-        if step % 25 == 0:
-            print(f"\rwarm-up step {step}/{cfg.demo_warmup_steps}: loss {loss.item():.3f}", end="", flush=True)
-    check = random.Random(cfg.seed + 1).sample(range(len(train_pairs)), 256)  # for the log only
-    texts = [addition_prompt(*train_pairs[i]) for i in check]
-    accuracy = evaluate(policy, tokenizer, [all_ids[i] for i in check], texts, cfg, step)["eval_accuracy"]
-    print(f"\nwarm-up: {step} steps in {time.time() - t0:.1f} s, sampled train accuracy {accuracy:.2f}")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    torch.save({"state_dict": policy.state_dict(), "steps": step, "accuracy": accuracy}, path + ".tmp")
-    os.replace(path + ".tmp", path)  # a killed run never leaves half a cache entry
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1796,14 +1674,14 @@ class Training:
     optimizers: tuple  # (the policy's AdamW, the critic's)
     schedules: list  # their learning-rate schedules
     sync: WeightSync  # trainer -> sampler weights
-    evaluator: nn.Module  # what the demo evaluates: the policy, or under FSDP2 a full copy of the published weights
+    evaluator: nn.Module  # what the task evaluates: the policy, or under FSDP2 a full copy of the published weights
     rank_rows: slice  # this rank's rows of every batch
     sample_generator: torch.Generator  # sampling, offset per rank
     shuffle_generator: torch.Generator  # minibatch row orders
     threaded: bool  # the producer samples in a thread of its own
     start: int = 0  # iterations done before this process (a resume)
     elapsed: float = 0.0  # seconds of run time before this process
-    first_accuracy: float = None  # the demo's held-out accuracy before PPO
+    first_accuracy: float = None  # the task's held-out accuracy before PPO
     last_checkpoint: str = None
     history: list = field(default_factory=list)  # the iteration records
     bad_steps: int = 0  # consecutive updates skipped for non-finite values
@@ -1831,8 +1709,8 @@ def start_training(cfg: Config, run, output_dir: str, threaded, ctx: Dist) -> Tr
     policy, device = run.policy, run.policy.device
     sampler = sampler_copy(policy)
     sharded = cfg.fsdp and torch.distributed.is_initialized()
-    # FSDP2: the demo evaluates a full copy of its own, not the sampler, which its thread uses and updates
-    evaluator = copy.deepcopy(sampler) if sharded and run.eval_ids is not None and ctx.rank == 0 else None
+    # FSDP2: the task evaluates a full copy of its own, not the sampler, which its thread uses and updates
+    evaluator = copy.deepcopy(sampler) if sharded and run.task.evaluate is not None and ctx.rank == 0 else None
     sync = WeightSync(policy, sampler, sharded)  # packs the weights
     if evaluator is not None:  # its parameters become views of the published weights, which only this thread writes
         torch.nn.utils.vector_to_parameters(sync.staging, evaluator.parameters())
@@ -1941,14 +1819,13 @@ def sample_and_reward(t: Training, i: int, version: int, stop: threading.Event) 
 
 
 def log_iteration(t: Training, step: int, batch: Rollout, kl, stats: dict, lr: float, update_s: float, sync_ms):
-    """After a good update: evaluate (the demo), log and print the iteration's scalars over all ranks, a few samples."""
+    """After a good update: evaluate (the task's hook), log and print the iteration's scalars over all ranks."""
     cfg = t.cfg
     t.bad_steps = 0
     scores = {}
-    if t.run.eval_ids is not None and (step % cfg.eval_every == 0 or step == cfg.steps) and t.ctx.rank == 0:
+    if t.run.task.evaluate is not None and (step % cfg.eval_every == 0 or step == cfg.steps) and t.ctx.rank == 0:
         with t.timer.span("evaluate", "trainer"):  # the last published weights
-            scores = evaluate(t.evaluator, t.run.tokenizer, t.run.eval_ids, t.run.eval_texts, cfg, cfg.seed + 2,
-                              t.run.env)
+            scores = t.run.task.evaluate(t.evaluator, t.run.tokenizer, cfg)
     now = time.time()
     iter_s = now - t.window_start
     busy = {f"{side}_{what}_s": 0.0 for side in ("trainer", "sampler") for what in ("busy", "wait")}
@@ -2122,7 +1999,7 @@ def checkpoints(run_dir: str):  # the whole checkpoints of a run (those with DCP
 def checkpoint_state(actor, critic, optimizers, schedules, ctx: Dist, sampler_rng, shuffle_generator, **loop) -> dict:
     """What a checkpoint holds, as DCP saves it and (into placeholders of the same shapes) loads it in place: the state
     dicts (sharded under FSDP2), and under this rank's own key its RNG states and loop (step, ...; DCP keeps one copy
-    of a key that every rank saves, not necessarily rank 0's, and only rank 0 evaluates the demo)."""
+    of a key that every rank saves, not necessarily rank 0's, and only rank 0 evaluates)."""
     from torch.distributed.checkpoint import state_dict as dcp_state
     rngs = {"sampler_rng": sampler_rng, "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
@@ -2261,7 +2138,7 @@ def bench_overlap(cfg: Config, output_dir: str):
                                 output_dir=os.path.join(output_dir, f"staleness{staleness}"))
         os.makedirs(c.output_dir, exist_ok=True)
         run = setup(c)
-        run.eval_ids = None  # no evaluations inside the timed runs
+        run.task = Task()  # no evaluations inside the timed runs
         results[staleness] = train(c, run, c.output_dir)
     common = min(h[-1]["time_s"] for h in results.values())  # the wall time every run reached
     base = sum(r["response_tokens"] for r in results[0]) / results[0][-1]["time_s"]
@@ -2336,21 +2213,19 @@ LOWER_BOUNDS = {"steps": 1, "batch_size": 1, "response_length": 1, "ppo_epochs":
 def parse_config(argv=None) -> Config:
     """The flags given on the command line over the presets they choose (make_config); --resume: over the checkpoint's
     config instead, and a flag that would change the run is refused."""
-    epilog = "presets, applied before the flags given (a flag given wins):\n" + "\n".join(
-        f"  {name}: " + ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in values.items())
-        for name, values in (("--model", MODEL), ("critic-free demo (--advantage grpo, rloo, reinforce++)",
-                                                  CRITIC_FREE_DEMO), ("multi-turn demo (--env demo)", MULTI_TURN_DEMO)))
+    epilog = ("presets, applied before the flags given (a flag given wins): --model's; else the critic-free demo's for "
+              "an --advantage without a critic, the multi-turn demo's for --env demo\n" +
+              "\n".join(f"  {name}: {as_flags(values)}" for name, values in PRESETS.items()))
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=epilog,
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      argument_default=argparse.SUPPRESS)  # (only the flags given are parsed)
     for f in dataclasses.fields(Config):
         kind = {"action": argparse.BooleanOptionalAction} if f.type is bool else {"type": f.type}
         bare = {"nargs": "?", "const": "latest"} if f.name == "resume" else {}  # bare --resume: --output-dir's newest
-        shown = [f"{name}: {values[f.name]}" for name, values in (("--model", MODEL), ("critic-free demo",
-                 CRITIC_FREE_DEMO), ("multi-turn demo", MULTI_TURN_DEMO)) if f.name in values]
+        shown = [show(f.default)] + [f"{name}: {show(values[f.name])}" for name, values in PRESETS.items()
+                                     if f.name in values]
         parser.add_argument("--" + f.name.replace("_", "-"), help=f"{f.metadata['help']} (default: "
-                            f"{'; '.join([repr(f.default) if f.default == '' else str(f.default), *shown])})",
-                            **kind, **bare)
+                            f"{'; '.join(shown)})", **kind, **bare)
     given = vars(parser.parse_args(argv))
     try:
         if "resume" in given:  # the checkpoint's config is the run's, so `--resume PATH` alone continues it
@@ -2378,18 +2253,25 @@ def parse_config(argv=None) -> Config:
         else:
             cfg = make_config(**given)
             for name, values in presets(given):  # what the run takes from a preset
-                taken = [f"--{k.replace('_', '-')} {v}" for k, v in values.items() if k not in given]
+                taken = {k: v for k, v in values.items() if k not in given}
                 if taken:
-                    print(f"preset {name}: {', '.join(taken)}")
+                    print(f"preset {name}: {as_flags(taken)}")
         check_config(cfg)
     except (ValueError, KeyError) as e:
         parser.exit(2, f"ppo_tokens.py: error: {e}\n")
     return cfg
 
 
+def as_flags(values: dict) -> str:  # {"kl_coef": 0.1, "task": ""} -> "--kl-coef 0.1, --task ''"
+    return ", ".join(f"--{k.replace('_', '-')} {show(v)}" for k, v in values.items())
+
+
+def show(value) -> str:  # a flag's value as the command line takes it
+    return repr(value) if value == "" else str(value)
+
+
 def check_config(cfg: Config):
     """Check every value and size once, with errors that name the flags to change."""
-    demo = not cfg.model and not cfg.prompts
     world = int(os.environ.get("WORLD_SIZE", "1"))  # under torchrun --batch-size is global; each rank takes 1/world
     ranks = f" x {world} ranks (torchrun's WORLD_SIZE)" if world > 1 else ""
     minibatch_size = cfg.batch_size // max(1, cfg.minibatches * world)  # per rank
@@ -2417,10 +2299,9 @@ def check_config(cfg: Config):
                (not (cfg.reward and cfg.reward_model), "give either --reward or --reward-model, not both"),
                (not (cfg.env and (cfg.reward or cfg.reward_model)),
                 "--env gives the rewards (each step's): drop --reward / --reward-model"),
-               (demo or cfg.reward or cfg.reward_model or cfg.env or cfg.bench_rollout,  # (the benchmark: no reward)
-                "--model/--prompts need a reward: pass --reward module:function or --reward-model DIR"),
-               (not cfg.model or cfg.prompts,
-                "--model needs --prompts FILE.jsonl (the demo prompts fit the demo only)"),
+               (cfg.task or cfg.reward or cfg.reward_model or cfg.env or cfg.bench_rollout,  # (the benchmark: none)
+                "--model needs a reward: pass --reward module:function, --reward-model DIR, --env or a --task"),
+               (not cfg.model or cfg.prompts or cfg.task, "--model needs --prompts FILE.jsonl, or a --task"),
                (0 < cfg.top_p <= 1 and cfg.top_k >= 0, "--top-p must be in (0, 1] and --top-k >= 0"),
                (not cfg.prompts or os.path.isfile(cfg.prompts), f"--prompts {cfg.prompts}: no such file"),
                (not cfg.reward_model or os.path.isdir(cfg.reward_model),
@@ -2429,7 +2310,7 @@ def check_config(cfg: Config):
                 "--compile-sampler needs the static cache: drop --no-static-cache"),
                (not (cfg.bench_overlap or cfg.bench_rollout) or world == 1,
                 "--bench-overlap and --bench-rollout run in one process; start them with python, not torchrun"),
-               (not demo or 1 <= cfg.eval_size <= 5000, f"--eval-size must be in 1..5000 (got {cfg.eval_size})"),
+               (1 <= cfg.eval_size <= 5000, f"--eval-size must be in 1..5000 (got {cfg.eval_size})"),
                (world == 1 or ":" not in cfg.device, f"--device {cfg.device}: under torchrun each rank uses "
                 "cuda:LOCAL_RANK; pass --device cuda (or set CUDA_VISIBLE_DEVICES)"),
                (not cfg.device.startswith("cuda") or torch.cuda.is_available(),
@@ -2466,6 +2347,197 @@ def main(argv=None):
         if torch.distributed.is_initialized():  # free DDP/FSDP wrappers held in reference cycles first: a process
             gc.collect()  # group they keep alive until interpreter shutdown can abort the process there (gloo)
             torch.distributed.destroy_process_group()
+
+
+# ================================================================================================================
+# THE BUILT-IN DEMO, a task like a user's: a tiny Llama learns a+b (a, b in 0..99). It reaches the run only through
+# the interfaces a user has: a Task (prompts, reward, model, warm-up, held-out evaluation), --reward's contract
+# (addition_reward) and --env's (AdditionRetry, the multi-turn demo); its defaults are the presets beside Config.
+# ================================================================================================================
+
+
+def addition_task(cfg: Config) -> Task:
+    """The demo: all (a, b) in 0..99 x 0..99, split into training and held-out pairs once, the same for every seed."""
+    pairs = [divmod(i, 100) for i in torch.randperm(10_000, generator=torch.Generator().manual_seed(1234)).tolist()]
+    train_pairs, held_out = pairs[cfg.eval_size:], pairs[:cfg.eval_size]
+    env = load_env(cfg.env) if cfg.env else None  # (the multi-turn demo evaluates whole episodes)
+    return Task(prompts=[addition_prompt(a, b) for a, b in train_pairs], reward=addition_reward, model=demo_model,
+                warmup=functools.partial(demo_warmup, train_pairs=train_pairs),
+                evaluate=functools.partial(evaluate, texts=[addition_prompt(a, b) for a, b in held_out],
+                                           seed=cfg.seed + 2, env=env))
+
+
+def demo_model(cfg: Config):  # -> (the character tokenizer, a ~0.6M-parameter Llama)
+    tokenizer = build_demo_tokenizer(hints=cfg.env in ENVIRONMENTS)
+    return tokenizer, build_demo_policy(tokenizer, cfg.seed, cfg.demo_hidden, cfg.demo_layers)
+
+
+def addition_prompt(a: int, b: int) -> str:
+    return f"{a}+{b}="
+
+
+def addition_reward(prompts, completions, ended, **facts):
+    """The demo's verifiable reward, through the --reward interface: 1 for the exact sum followed by EOS, else 0."""
+    pairs = (prompt.rstrip("=").split("+") for prompt in prompts)
+    return [float(e and c.strip() == str(int(a) + int(b))) for (a, b), c, e in zip(pairs, completions, ended)]
+
+
+def build_demo_tokenizer(hints=False):  # the addition demo's: one token per character (hints: the env's < and >)
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+    vocab = {t: i for i, t in enumerate(["<pad>", "<bos>", "<eos>", "<unk>", *"0123456789+=", *"<>" * hints])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")  # one token per character
+    tok.decoder = decoders.Fuse()  # join characters back without spaces
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", vocab["<bos>"])])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
+                                   unk_token="<unk>", padding_side="left")
+
+
+def build_demo_policy(tokenizer, seed: int, hidden=128, layers=3):  # ~0.6M parameters: shared/DEMO-CALIBRATION.md
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
+                         num_key_value_heads=4, intermediate_size=hidden * 43 // 16, max_position_embeddings=64,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
+    return LlamaForCausalLM(config)
+
+
+class AdditionRetry:
+    """The multi-turn demo's game: the number is a+b or its neighbour 10 below or above (hidden, of the episode's seed).
+    A wrong guess gets the question again and a hint, '<' (too low) or '>' (too high), and another try (--max-turns);
+    hint=False ('demo-control'): '=' instead of the hint. Reward 1 for the number then EOS."""
+
+    def __init__(self, hint=True):
+        self.hint = hint
+
+    def reset(self, prompt: str, seed: int = None):  # -> (observation: the first user message, info)
+        a, b = prompt.rstrip("=").split("+")
+        self.question, self.answer = prompt, neighbour(int(a) + int(b), random.Random(seed).choice((-10, 0, 10)))
+        return prompt, {}
+
+    def step(self, action: str, ended: bool = True):  # -> (observation, reward, terminated, truncated, info)
+        if ended and action.strip() == str(self.answer):
+            return "", 1.0, True, False, {}
+        return self.question + retry_hint(action, self.answer, self.hint), 0.0, False, False, {}
+
+
+def neighbour(n: int, d: int) -> int:  # n + d, or n - d where n + d is negative or has another number of digits
+    return n + d if n + d >= 0 and (n < 10 or len(str(n + d)) == len(str(n))) else n - d
+
+
+def retry_hint(guess: str, answer: int, hint=True) -> str:
+    return ("<" if (int(guess) if guess.strip().isdigit() else -1) < answer else ">") if hint else "="
+
+
+ENVIRONMENTS = {"demo": AdditionRetry, "demo-control": functools.partial(AdditionRetry, hint=False)}
+
+
+@torch.no_grad()
+def evaluate(policy, tokenizer, cfg: Config, texts, seed: int, env=None, chunk=500) -> dict:
+    """The demo's held-out scores on `texts` (Task.evaluate): sampled accuracy (as training samples), re-seeded, so
+    that successive evaluations differ only by the weights. env (the multi-turn demo): greedy success within
+    --max-turns, on the first turn, and on the second try after a miss."""
+    device = policy.device
+    prompt_texts, prompt_ids = texts, format_prompts(tokenizer, texts, cfg.chat_template, cfg.max_prompt_length)
+    generator = torch.Generator(device).manual_seed(seed)
+    args = sampling_args(cfg, tokenizer.pad_token_id, tokenizer.eos_token_id)
+    if env is not None:  # greedy: the policy's best answer each turn, so that the second try shows what it learned
+        args["top_k"] = 1
+    first_success = []  # per prompt: the turn of its first reward (1, 2, ...), 0 for none
+    for start in range(0, len(prompt_ids), chunk):
+        texts = prompt_texts[start:start + chunk]
+        if env is None:
+            ids, mask = left_pad(prompt_ids[start:start + chunk], tokenizer.pad_token_id, device)
+            batch = generate(policy, ids, mask, **args, generator=generator)
+            first_success += addition_reward(texts, decode_completions(tokenizer, batch), batch.ended.tolist())
+        else:
+            seeds = [seed * 1_000_003 + start + k for k in range(len(texts))]  # (the same tasks every evaluation)
+            batch = run_episodes(policy, [env() for _ in texts], texts, seeds, tokenizer, cfg, None, **args,
+                                 generator=generator)
+            first_success += [next((k + 1 for k, x in enumerate(turns) if x > 0), 0)
+                              for turns in batch.episodes["rewards"]]
+    share = [sum(0 < k <= turn for k in first_success) / len(first_success) for turn in (1, 2, cfg.max_turns)]
+    if env is None:
+        return {"eval_accuracy": share[0]}
+    return {"eval_accuracy": share[2], "eval_turn1": share[0], "eval_second_try": (share[1] - share[0]) / max(
+        1e-9, 1 - share[0])}
+
+
+def demo_warmup(policy, tokenizer, cfg: Config, train_pairs):
+    """Supervised warm-up, so that PPO starts from a policy that is sometimes right. A fixed number of steps: a stop
+    at an accuracy threshold moved with rounding, as does the loss's drop (CPU: 300-500 steps, H200: 500+). Cached."""
+    retry = cfg.env in ENVIRONMENTS  # the multi-turn demo: its second half also shows the game's format
+    key = json.dumps([policy.config.to_json_string(), sorted(tokenizer.get_vocab().items()), cfg.seed,
+                      cfg.demo_warmup_lr, cfg.demo_warmup_steps, inspect.getsource(demo_warmup),  # (an edit: anew)
+                      *([cfg.env] if retry else [])])
+    name = f"demo-warmup-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
+    path = os.path.join(os.path.expanduser(cfg.demo_cache), name)
+    if os.path.exists(path):
+        saved = torch.load(path, map_location=policy.device)
+        policy.load_state_dict(saved["state_dict"])
+        print(f"warm-up: loaded {path} ({saved['steps']} steps, sampled train accuracy {saved['accuracy']:.2f})")
+        return
+    if cfg.demo_warmup_steps == 0:
+        return
+    t0 = time.time()
+    # beta2 0.95, as in LLM pre-training: with 0.999 the accuracy's jump came anywhere from ~250 to 700+ steps
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.demo_warmup_lr, betas=(0.9, 0.95), weight_decay=0.0)
+    # a 50-step LR warm-up; multi-turn: then down to 5% over the second half (surer sums: seed 1 ends 0.98, not 0.90)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / 50, 2.0 * (1 - s / cfg.demo_warmup_steps) + 0.05 if retry else 1.0))
+    rng = random.Random(cfg.seed)
+    all_ids = format_prompts(tokenizer, [addition_prompt(a, b) for a, b in train_pairs], False, 64)
+    answers = [tokenizer(str(a + b), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+               for a, b in train_pairs]
+    for step in range(1, cfg.demo_warmup_steps + 1):
+        rows = rng.sample(range(len(train_pairs)), 128)
+        ids, mask = left_pad([all_ids[i] for i in rows], tokenizer.pad_token_id, policy.device)
+        seqs, loss = [answers[i] for i in rows], None
+        mixed = retry and step > cfg.demo_warmup_steps // 2  # the second half: the conversation's format too
+        if mixed:  # every other row a second try after a miss W (1 or 20 off): W<eos>, a+b=, the hint (W against the
+            # answer, as the game's), then the answer: the sum or, for a fifth, a neighbour on either side. Left to PPO:
+            seqs, loss = [], []  # after a miss of the sum itself, the answer is the neighbour the hint points to
+            for k, i in enumerate(rows):
+                total = sum(train_pairs[i])
+                miss, target = total + rng.choice((-20, -1, 1, 20)), total
+                miss = miss if miss >= 0 else 2 * total - miss
+                if rng.random() < 0.2:
+                    target = neighbour(total, rng.choice((-10, 10)))
+                hint = addition_prompt(*train_pairs[i]) + retry_hint(str(miss), target, cfg.env == "demo")
+                context = [] if k % 2 == 0 else tokenizer(f"{miss}", add_special_tokens=False)["input_ids"] + [
+                    tokenizer.eos_token_id] + tokenizer(hint, add_special_tokens=False)["input_ids"]
+                answer = answers[i] if k % 2 == 0 else tokenizer(str(target), add_special_tokens=False)[
+                    "input_ids"] + [tokenizer.eos_token_id]
+                seqs.append(context + answer)
+                loss.append([0] * len(context) + [1] * len(answer))  # the loss on the answer and its EOS only
+        response = tokenizer.pad({"input_ids": seqs}, padding_side="right", return_tensors="pt").to(policy.device)
+        batch = Rollout(ids, mask, response["input_ids"], response["attention_mask"], None, None, None)
+        if mixed:
+            batch.context_mask = batch.response_mask
+            batch.response_mask = torch.tensor([x + [0] * (batch.response.shape[1] - len(x)) for x in loss],
+                                               device=policy.device)
+        logprobs, _ = sequence_logprobs(policy, *full_sequence(batch), batch.response, batch.response_mask, 1.0,
+                                        full_logits=cfg.full_logits)
+        loss = -masked_mean(logprobs, batch.response_mask)  # cross-entropy on the answer and its EOS only
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step % 25 == 0:
+            print(f"\rwarm-up step {step}/{cfg.demo_warmup_steps}: loss {loss.item():.3f}", end="", flush=True)
+    check = random.Random(cfg.seed + 1).sample(range(len(train_pairs)), 256)  # for the log only
+    texts = [addition_prompt(*train_pairs[i]) for i in check]
+    accuracy = evaluate(policy, tokenizer, cfg, texts, step)["eval_accuracy"]
+    print(f"\nwarm-up: {step} steps in {time.time() - t0:.1f} s, sampled train accuracy {accuracy:.2f}")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    torch.save({"state_dict": policy.state_dict(), "steps": step, "accuracy": accuracy}, path + ".tmp")
+    os.replace(path + ".tmp", path)  # a killed run never leaves half a cache entry
+
+
+TASKS = {"demo": addition_task}  # --task's names
 
 
 if __name__ == "__main__":

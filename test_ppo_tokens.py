@@ -1088,7 +1088,7 @@ def test_an_edited_warm_up_is_not_loaded_from_the_cache_of_the_old_one(tmp_path,
     tokenizer, pairs = pt.build_demo_tokenizer(), [(a, b) for a in range(20) for b in range(20)]
 
     def warm_up():
-        pt.demo_warmup(pt.build_demo_policy(tokenizer, 1, 32, 1), tokenizer, pairs, cfg)
+        pt.demo_warmup(pt.build_demo_policy(tokenizer, 1, 32, 1), tokenizer, cfg, pairs)
         return capsys.readouterr().out
 
     assert "loaded" not in warm_up() and "loaded" in warm_up()
@@ -1132,7 +1132,7 @@ def test_model_directory_prompts_file_and_reward_function(tmp_path, tokenizer):
                       "--reward", "my_rewards:score", "--response-length", "5", "--no-bf16",  # (fp32: the check below)
                       "--output-dir", str(tmp_path / "run")], tmp_path)
     assert "zero-initialised head" in out
-    assert "preset --model: --temperature 1.0, --ppo-epochs 1, --lr 1e-06, --critic-lr 1e-05\n" in out
+    assert "preset --model: --task '', --temperature 1.0, --ppo-epochs 1, --lr 1e-06, --critic-lr 1e-05\n" in out
     records = check_outputs(tmp_path / "run", 3)
     assert "eval_accuracy" not in records[-1]
     assert all(r["response_tokens"] <= 16 * 5 for r in records)
@@ -2276,7 +2276,7 @@ def test_help_lists_every_config_field():
         assert "--" + f.name.replace("_", "-") in out
     assert "PPO ratio clip epsilon" in out
     assert "(default: 300; --model: 1000; critic-free demo: 800; multi-turn demo: 150)" in " ".join(out.split())
-    assert "multi-turn demo (--env demo): --steps 150, --response-length 16" in out  # the presets, whole
+    assert "multi-turn demo: --steps 150, --response-length 16" in out  # the presets, whole
 
 
 def exit_of(argv, capsys):  # (exit status, message) of the real entry point, in-process
