@@ -106,6 +106,8 @@ class Config:
     gamma: float = arg(1.0, "GAE discount")
     lam: float = arg(0.95, "GAE lambda")
     missing_eos_penalty: float = arg(0.0, "subtracted from the score of a completion without EOS (e.g. 1.0)")
+    dynamic_sampling: int = arg(0, "DAPO's dynamic sampling: up to this many more rounds of prompts refill a batch "
+                                   "with groups that have signal (0 = off)")
     # the overlapped loop (sampler thread + bounded queue + packed weight sync + off-policy correction)
     max_staleness: int = arg(0, "policy versions a batch may lag the trainer: 0 = synchronous, 1 = one-step off-policy")
     is_cap: float = arg(2.0, "cap on the decoupled-PPO importance weight exp(prox_logp - behav_logp) of stale tokens")
@@ -1324,20 +1326,31 @@ def episode_return(batch: Rollout):  # --env: the score is the sum of the episod
 
 def rule_scores(rule, batch: Rollout):
     """(B,) a reward function's scores, checked. It gets prompts and completions and, where it names them (or takes
-    **kwargs), completion_ids (the stop token excluded) and ended (it emitted a stop token)."""
+    **kwargs), completion_ids (the stop token excluded) and ended (it emitted a stop token). Per completion it returns
+    a score, or a list of rewards, one per completion id (a process reward): each lands on its token
+    (batch.token_rewards), and the score is their sum."""
     lengths = (batch.response_mask.sum(-1) - batch.ended.long()).tolist()  # real tokens minus the stop token
     completion_ids = [r[:n] for r, n in zip(batch.response.tolist(), lengths)]
     try:
-        scores = with_facts(rule, batch.prompts, batch.completions, completion_ids=completion_ids,
-                            ended=batch.ended.tolist())
+        scores = list(with_facts(rule, batch.prompts, batch.completions, completion_ids=completion_ids,
+                                 ended=batch.ended.tolist()))
     except Exception as e:
         raise SystemExit(f"the reward function raised {type(e).__name__}: {e}")
+    if len(scores) != len(batch.completions):
+        raise SystemExit(f"the reward function returned {len(scores)} scores for {len(batch.completions)} completions")
+    per_token = [isinstance(score, (list, tuple)) for score in scores]  # (a tensor or a number: one score)
+    token_rewards = torch.zeros(batch.response.shape, dtype=torch.float32)  # (B, T)
+    for r in [r for r, listed in enumerate(per_token) if listed]:
+        if len(scores[r]) != lengths[r]:
+            raise SystemExit(f"the reward function returned {len(scores[r])} rewards for completion {r}, which has "
+                             f"{lengths[r]} tokens (completion_ids): give one per token, or one score")
+        token_rewards[r, :lengths[r]] = torch.tensor(scores[r], dtype=torch.float32)
+        scores[r] = token_rewards[r].sum()
     try:
         scores = torch.tensor([float(s) for s in scores], dtype=torch.float32, device=batch.response.device)
     except (TypeError, ValueError) as e:
-        raise SystemExit(f"the reward function must return a list of numbers ({e})")
-    if len(scores) != len(batch.completions):
-        raise SystemExit(f"the reward function returned {len(scores)} scores for {len(batch.completions)} completions")
+        raise SystemExit(f"the reward function must return a list of numbers, or of lists of numbers ({e})")
+    batch.token_rewards = token_rewards.to(batch.response.device)  # (zeros: the scores alone)
     return scores
 
 
@@ -1375,13 +1388,24 @@ def observation_ids(tokenizer, text: str, role: str, chat: bool, stop_id: int) -
     return tokenizer(before[end:] + after[len(before):], add_special_tokens=False)["input_ids"]
 
 
+@dataclass
+class Episode:  # one row's state in run_episodes
+    context: list  # the conversation so far (token ids): the next turn's prompt
+    pieces: list = field(default_factory=list)  # its (ids, policy mask, log-probs, kept ids) chunks, turn by turn
+    used: int = 0  # response columns taken by its turns and observations, of --response-length
+    rewards: list = field(default_factory=list)  # (column, reward): each turn's, on its last token
+    ended: bool = False  # its last turn emitted a stop id
+    error: str = None  # why its environment failed
+
+
 @torch.no_grad()
-def run_episodes(decoder, envs, texts, seeds, tokenizer, cfg: Config, pool=None, **sampling) -> Rollout:
+def run_episodes(decoder, envs, texts, seeds, tokenizer, cfg: Config, pool=None, resize=None, **sampling) -> Rollout:
     """Multi-turn rollouts: envs[i] (Gymnasium's reset / step over text) plays row i. Each turn re-prefills the
     conversation so far in generate(), so both decoders serve it as they are; a turn ends at a stop id; the
     environments step concurrently in `pool` (a tool call mostly waits); observations are appended as context
     (response_mask 0). A row ends when its environment is done, at --max-turns, after a turn without a stop id, or when
-    its --response-length budget (turns and observations) runs out. -> a Rollout with context_mask and token_rewards."""
+    its --response-length budget (turns and observations) runs out. resize(columns): a static decoder with that many
+    columns, for first observations longer than it was sized for. -> a Rollout with context_mask and token_rewards."""
     B, T, pad, mapper = len(envs), cfg.response_length, sampling["pad_id"], pool.map if pool else map
     try:
         first = list(mapper(lambda e, p, s: e.reset(p, seed=s)[0], envs, texts, seeds))
@@ -1390,79 +1414,81 @@ def run_episodes(decoder, envs, texts, seeds, tokenizer, cfg: Config, pool=None,
     except Exception as e:  # (no episode has begun: nothing to keep)
         raise SystemExit(f"--env: reset() raised {type(e).__name__}: {e}")
     prompts = format_prompts(tokenizer, first, cfg.chat_template, cfg.max_prompt_length)
+    columns = max(map(len, prompts)) + 2 * T  # what a turn may fill: its (padded) context, then up to T tokens
+    if isinstance(decoder, StaticDecoder) and columns > decoder.max_len:  # (a reset() longer than every prompt)
+        if resize is None:
+            fall_back(f"--env: first observations of up to {columns - 2 * T} tokens and a budget of {T} need {columns} "
+                      f"columns, more than the static cache's {decoder.max_len}: this batch samples with the plain loop")
+        decoder = PlainDecoder(decoder.model) if resize is None else resize(columns)
     chat = cfg.chat_template and getattr(tokenizer, "chat_template", None) is not None
-    pieces = [[] for _ in range(B)]  # per row: (ids, policy mask, log-probs, kept ids) chunks
-    contexts = [list(p) for p in prompts]  # per row: the conversation so far, the next turn's prompt
-    used, rewards, ended, errors = [0] * B, [[] for _ in range(B)], [False] * B, [None] * B
+    rows = [Episode(list(p)) for p in prompts]
     active, device = list(range(B)), sampling["generator"].device
     for turn in range(cfg.max_turns):
-        budget = [T - used[r] for r in active]
-        ids, mask = left_pad([contexts[r] for r in active], pad, device)
-        model = decoder
+        budget = [T - rows[r].used for r in active]
+        ids, mask = left_pad([rows[r].context for r in active], pad, device)
         if isinstance(decoder, StaticDecoder):  # its batch size: finished rows' places go to one-token copies
             fill = decoder.mask.shape[0] - len(active)
             ids, mask = (torch.cat([x, x[:1].expand(fill, -1)]) for x in (ids, mask))
             budget += [1] * fill
-            if ids.shape[1] + max(budget) > decoder.max_len:  # (only a reset() longer than every prompt)
-                fall_back(f"--env: a turn of {ids.shape[1]} + {max(budget)} tokens exceeds the static cache's "
-                          f"{decoder.max_len} columns; it samples with the plain loop")
-                model = PlainDecoder(decoder.model)
-        out = generate(model, ids, mask, **{**sampling, "max_new_tokens": max(budget),
-                                            "budgets": torch.tensor(budget, device=device)})
+        out = generate(decoder, ids, mask, **{**sampling, "max_new_tokens": max(budget),
+                                              "budgets": torch.tensor(budget, device=device)})
         actions, facts = [], []
         for i, (r, turn_ids, n, stop) in enumerate(zip(active, out.response.tolist(), out.response_mask.sum(1).tolist(),
                                                        out.ended.tolist())):  # (the host reads once a turn)
+            row = rows[r]
             kept = None if out.kept_ids is None else out.kept_ids[i, :n]
-            pieces[r].append((out.response[i, :n], torch.ones(n, dtype=torch.long, device=device),
-                              out.behav_logprobs[i, :n], kept))
-            used[r], ended[r], contexts[r] = used[r] + n, stop, contexts[r] + turn_ids[:n]
+            row.pieces.append((out.response[i, :n], torch.ones(n, dtype=torch.long, device=device),
+                               out.behav_logprobs[i, :n], kept))
+            row.used, row.ended, row.context = row.used + n, stop, row.context + turn_ids[:n]
             facts.append({"completion_ids": turn_ids[:n - stop], "ended": stop})
             actions.append(tokenizer.decode(facts[-1]["completion_ids"], skip_special_tokens=True))
         steps = list(mapper(env_step, [envs[r] for r in active], actions, [cfg.env_latency] * len(active), facts))
-        still = []
+        observed = {}  # the rows that go on, and their observations' ids
         for r, (observation, reward, done, role, error) in zip(active, steps):
-            rewards[r].append((used[r] - 1, reward))
-            errors[r] = error
-            if done or not ended[r] or turn == cfg.max_turns - 1:
+            row = rows[r]
+            row.rewards.append((row.used - 1, reward))
+            row.error = error
+            if done or not row.ended or turn == cfg.max_turns - 1:
                 continue
             try:  # (a template that refuses the role: this row's error)
-                obs = observation_ids(tokenizer, observation, role, chat, contexts[r][-1])
+                obs = observation_ids(tokenizer, observation, role, chat, row.context[-1])
             except Exception as e:
-                errors[r] = f"the observation: {type(e).__name__}: {str(e)[:200]}"
+                row.error = f"the observation: {type(e).__name__}: {str(e)[:200]}"
                 continue
-            if used[r] + len(obs) >= T:  # no room for the observation and a token after it: truncated
-                continue
-            n, last = len(obs), pieces[r][-1]
-            used[r], contexts[r] = used[r] + n, contexts[r] + obs
-            obs = torch.tensor(obs, dtype=torch.long, device=device)  # (its kept ids: itself, -1 padded)
-            width = None if last[3] is None else last[3].shape[1]
-            kept = None if width is None else torch.cat([obs[:, None], obs.new_full((n, width - 1), -1)], 1)
-            pieces[r].append((obs, torch.zeros_like(obs), torch.zeros(n, device=device), kept))
-            still.append(r)
-        active = still
+            if row.used + len(obs) < T:  # room for the observation and a token after it (else truncated)
+                observed[r] = obs
+        all_ids = torch.tensor([x for obs in observed.values() for x in obs], dtype=torch.long).to(device)  # one copy
+        for (r, obs), ids in zip(observed.items(), all_ids.split([len(obs) for obs in observed.values()])):
+            row, n, width = rows[r], len(obs), None if out.kept_ids is None else out.kept_ids.shape[2]
+            row.used, row.context = row.used + n, row.context + obs
+            kept = None if width is None else torch.cat([ids[:, None], ids.new_full((n, width - 1), -1)], 1)
+            row.pieces.append((ids, torch.zeros_like(ids), torch.zeros(n, device=device), kept))  # (kept: itself)
+        active = list(observed)
         if not active:
             break
     for env in envs:  # (a sandbox, a subprocess: its resources go now)
         getattr(env, "close", lambda: None)()
 
     def field(k, fill):  # the rows' chunks of field k, each row right-padded to T columns: (B, T, ...)
-        rows = [torch.cat([chunk[k] for chunk in row]) for row in pieces]
-        out = torch.full((B, T, *rows[0].shape[1:]), fill, dtype=rows[0].dtype, device=device)
-        for r, x in enumerate(rows):
+        chunks = [torch.cat([chunk[k] for chunk in row.pieces]) for row in rows]
+        out = torch.full((B, T, *chunks[0].shape[1:]), fill, dtype=chunks[0].dtype, device=device)
+        for r, x in enumerate(chunks):
             out[r, :len(x)] = x
         return out
-    response, kept_ids = field(0, pad), None if pieces[0][0][3] is None else field(3, -1)
+    response, kept_ids = field(0, pad), None if rows[0].pieces[0][3] is None else field(3, -1)
     batch = Rollout(*left_pad(prompts, pad, device), response=response, response_mask=field(1, 0),
                     behav_logprobs=field(2, 0.0), policy_version=torch.full_like(response, sampling["policy_version"]),
-                    ended=torch.tensor(ended, device=device), kept_ids=kept_ids)
-    batch.context_mask = (torch.arange(T, device=device) < torch.tensor(used, device=device)[:, None]).long()
-    batch.token_rewards = torch.zeros(B, T, device=device)
-    for r, turns in enumerate(rewards):
-        for column, reward in turns:
-            batch.token_rewards[r, column] = reward
-    batch.completions = tokenizer.batch_decode([row[:n] for row, n in zip(response.tolist(), used)],
+                    ended=torch.tensor([row.ended for row in rows], device=device), kept_ids=kept_ids)
+    used = torch.tensor([row.used for row in rows])
+    batch.context_mask = (torch.arange(T) < used[:, None]).long().to(device)
+    token_rewards = torch.zeros(B, T)
+    for r, row in enumerate(rows):
+        for column, reward in row.rewards:
+            token_rewards[r, column] = reward
+    batch.token_rewards = token_rewards.to(device)  # (one copy)
+    batch.completions = tokenizer.batch_decode([ids[:row.used] for ids, row in zip(response.tolist(), rows)],
                                                skip_special_tokens=True)
-    batch.episodes = {"rewards": [[x for _, x in turns] for turns in rewards], "errors": errors}
+    batch.episodes = {"rewards": [[x for _, x in row.rewards] for row in rows], "errors": [row.error for row in rows]}
     return batch
 
 
@@ -1692,6 +1718,7 @@ class Training:
     timer: Timer = None
     producer: Producer = None
     pool: object = None  # --env: the threads the environments step in
+    sampler_group: object = None  # torchrun: the producer's own process group (gloo), for its collectives
     run_start: float = 0.0  # time.time() at which the run (before a resume included) started
     window_start: float = 0.0  # the end of the last iteration: an iteration's window ends at the end of the next
 
@@ -1754,18 +1781,28 @@ def start_training(cfg: Config, run, output_dir: str, threaded, ctx: Dist) -> Tr
     sync.pull()
     if ctx.rank == 0:
         write_file(os.path.join(output_dir, "config.json"), json.dumps(dataclasses.asdict(cfg), indent=2))
+    if torch.distributed.is_initialized():  # (a thread's collectives on the trainer's group could interleave)
+        t.sampler_group = torch.distributed.new_group(backend="gloo")
     t.logger = Logger(cfg, output_dir, enabled=ctx.rank == 0)
     t.timer = Timer()
     t.order = prompt_order(len(run.prompt_ids), cfg.seed, start=t.prompts_drawn)
     t.decoder = sampler
     if run.env is not None:  # a tool call mostly waits: as many threads as rows
-        t.pool = concurrent.futures.ThreadPoolExecutor(rank_rows.stop - rank_rows.start, "ppo_tokens-env")
+        t.pool = concurrent.futures.ThreadPoolExecutor(  # (each on the run's device: an environment's tensors go there)
+            rank_rows.stop - rank_rows.start, "ppo_tokens-env", **on_device(device))
     if cfg.static_cache:  # (--env: a turn's prefill is up to T columns longer for rows that have used fewer)
-        longest = max(map(len, run.prompt_ids)) + cfg.response_length * (2 if run.env else 1)
-        cpu_thread = threaded and sampler.device.type == "cpu"  # the sampler thread runs one intra-op thread
-        t.decoder = fast_decoder(sampler, rank_rows.stop - rank_rows.start, longest, PlainDecoder, cfg.compile_sampler,
-                                 threads=1 if cpu_thread else 0, group=cfg.samples_per_prompt)
+        static_decoder(t, max(map(len, run.prompt_ids)) + cfg.response_length * (2 if run.env else 1))
     return t
+
+
+def static_decoder(t: Training, columns: int):  # the sampler's fast decoder for this rank's rows, `columns` long
+    cpu_thread = t.threaded and t.sync.sampler_flat.device.type == "cpu"  # the sampler thread's one intra-op thread
+    sampler = t.decoder.model if isinstance(t.decoder, StaticDecoder) else t.decoder
+    if isinstance(t.decoder, StaticDecoder):  # --env: a reset() longer than every prompt (run_episodes)
+        print(f"--env: the first observations need {columns} columns: the sampler's static cache grows to them")
+    t.decoder = fast_decoder(sampler, t.rank_rows.stop - t.rank_rows.start, columns, PlainDecoder,
+                             t.cfg.compile_sampler, threads=1 if cpu_thread else 0, group=t.cfg.samples_per_prompt)
+    return t.decoder
 
 
 def make_batch(t: Training, i: int, stop: threading.Event) -> Rollout:
@@ -1774,6 +1811,9 @@ def make_batch(t: Training, i: int, stop: threading.Event) -> Rollout:
     cfg, run = t.cfg, t.run
     version = t.sync.pull()
     batch = sample_and_reward(t, i, version, stop)
+    if cfg.dynamic_sampling:  # more rounds, until the batch holds groups with signal
+        batch = dynamic_sampling(batch, functools.partial(sample_and_reward, t, i, version, stop), cfg,
+                                 run.tokenizer.pad_token_id, t.sampler_group)
     with t.timer.span("score: reference", "sampler"):
         score_frozen(batch, run.reference, cfg)
         if run.policy.device.type == "cuda":
@@ -1800,14 +1840,21 @@ def sample_and_reward(t: Training, i: int, version: int, stop: threading.Event) 
         else:  # an environment per row, seeded by the run, the batch and the prompt: a resume replays it
             seeds = [cfg.seed * 1_000_003 + i * cfg.batch_size + (t.rank_rows.start + k) // cfg.samples_per_prompt
                      for k in range(len(rows))]  # (a group's rows: one task)
-            batch = run_episodes(t.decoder, [run.env() for _ in rows], texts, seeds, run.tokenizer, cfg, t.pool, **args)
-            failed = [e for e in batch.episodes["errors"] if e]
-            if failed:
-                print(f"--env: {len(failed)} of {len(rows)} episodes of batch {i} ended on an error; the first: "
-                      f"{failed[0]}", flush=True)
-            if 2 * len(failed) > len(rows):
-                raise SystemExit(f"stopping: the environment failed in {len(failed)} of {len(rows)} episodes of batch "
-                                 f"{i} ({failed[0]}); the last good checkpoint is "
+            try:
+                batch = run_episodes(t.decoder, [run.env() for _ in rows], texts, seeds, run.tokenizer, cfg, t.pool,
+                                     functools.partial(static_decoder, t), **args)
+                failed = [e for e in batch.episodes["errors"] if e]
+                if failed:
+                    print(f"--env: {len(failed)} of {len(rows)} episodes of batch {i} ended on an error; the first: "
+                          f"{failed[0]}", flush=True)
+                problem = None if 2 * len(failed) <= len(rows) else (
+                    f"stopping: the environment failed in {len(failed)} of {len(rows)} episodes of batch {i} "
+                    f"({failed[0]})")
+            except SystemExit as e:  # reset() failed
+                problem = str(e)
+            problems = [p for p in gather_objects(problem, t.sampler_group) if p]  # every rank stops, or none
+            if problems:
+                raise SystemExit(f"{problems[0]}; the last good checkpoint is "
                                  f"{t.last_checkpoint or 'none (--save-every 0)'}")
         batch.prompts = texts
         batch.gen_s = time.perf_counter() - t0
@@ -1816,6 +1863,72 @@ def sample_and_reward(t: Training, i: int, version: int, stop: threading.Event) 
     with t.timer.span("score: reward", "sampler"):
         reward_scores(batch, run.reward_fn, cfg)
     return batch
+
+
+def dynamic_sampling(batch: Rollout, sample_round, cfg: Config, pad_id: int, group=None) -> Rollout:
+    """DAPO's dynamic sampling (Yu et al. 2025): a batch holds only groups with signal (scores not all equal), and more
+    rounds (sample_round(): the next prompts, sampled and rewarded) refill it, at most --dynamic-sampling of them;
+    flat groups fill what is still missing (choose_loss_tokens drops them). The groups are chosen over every rank's,
+    in one order (round, rank, group), and each rank then takes its slice, as verl's single controller chooses:
+    which groups a batch holds does not depend on the world size. group: the producer's process group."""
+    n, wanted = cfg.samples_per_prompt, cfg.batch_size // cfg.samples_per_prompt  # groups in a batch, all ranks'
+    rounds, signal = [batch], []  # this rank's rounds; each round's signal flags of every rank's groups, in order
+    while True:
+        signal.append(torch.cat(gather_objects((~flat_groups(rounds[-1].scores, n)[::n]).cpu(), group)))
+        if sum(int(flags.sum()) for flags in signal) >= wanted or len(rounds) > cfg.dynamic_sampling:
+            break
+        rounds.append(sample_round())
+    per_rank = len(batch.ended) // n  # groups a round on a rank
+    world = len(signal[0]) // per_rank
+    order = [(k, int(g)) for want in (True, False) for k, flags in enumerate(signal)
+             for g in (flags == want).nonzero()[:, 0]][:wanted]  # signal first, then flat ones: (round, group)
+    rank = torch.distributed.get_rank(group) if group is not None else 0
+    pool = concat_rollouts(rounds, pad_id)  # this rank's rows, round after round
+    mine = [(k, g) for k, g in order if g // per_rank == rank]  # the chosen groups sampled here
+    rows = [(k * per_rank + g % per_rank) * n + j for k, g in mine for j in range(n)]
+    parts = gather_objects((mine, take_rows(pool, rows, "cpu")), group)  # every rank's chosen groups
+    where = {key: (part, i) for keys, part in parts for i, key in enumerate(keys)}
+    share = order[rank * wanted // world:(rank + 1) * wanted // world]  # this rank's slice, in the global order
+    picked = [take_rows(where[key][0], list(range(where[key][1] * n, where[key][1] * n + n)), batch.response.device)
+              for key in share]
+    out = concat_rollouts(picked, pad_id)
+    out.gen_s, out.sampler_rng, out.prompts_drawn = sum(r.gen_s for r in rounds), pool.sampler_rng, pool.prompts_drawn
+    sampled = sum(len(flags) for flags in signal)
+    out.row_stats = {"sampling_rounds": len(rounds), "filtered_frac": 1 - sum(int(f.sum()) for f in signal) / sampled}
+    return out
+
+
+def take_rows(batch: Rollout, rows: list, device) -> Rollout:  # batch.rows(rows) with its lists too, on `device`
+    out = batch.rows(torch.tensor(rows, dtype=torch.long, device=batch.response.device))
+    for name in ("prompts", "completions"):
+        setattr(out, name, [getattr(batch, name)[r] for r in rows])
+    out.episodes = None if batch.episodes is None else {k: [v[r] for r in rows] for k, v in batch.episodes.items()}
+    for f in dataclasses.fields(out):
+        if f.type is torch.Tensor and getattr(out, f.name) is not None:
+            setattr(out, f.name, getattr(out, f.name).to(device))
+    return out
+
+
+def concat_rollouts(parts: list, pad_id: int) -> Rollout:
+    """The rows of several batches as one: prompts left-padded to the longest, responses right-padded. The last part's
+    sampler state and prompt count."""
+    fields = {}
+    for f in dataclasses.fields(Rollout):
+        values = [getattr(part, f.name) for part in parts]
+        if f.type is torch.Tensor and values[0] is not None:
+            width = max(v.shape[1] if v.dim() > 1 else 0 for v in values)
+            fill = pad_id if f.name in ("prompt_ids", "response") else -1 if f.name == "kept_ids" else 0
+            padded = []
+            for v in values:  # (F.pad's pairs run from the last dimension back: the columns' pair last)
+                extra = width - v.shape[1] if v.dim() > 1 else 0
+                columns = (extra, 0) if f.name.startswith("prompt") else (0, extra)
+                padded.append(nn.functional.pad(v, (0, 0) * (v.dim() - 2) + columns, value=fill) if extra else v)
+            fields[f.name] = torch.cat(padded)
+        elif isinstance(values[0], list):
+            fields[f.name] = [x for v in values for x in v]
+        elif f.name == "episodes" and values[0] is not None:
+            fields[f.name] = {k: [x for v in values for x in v[k]] for k in values[0]}
+    return Rollout(**fields, sampler_rng=parts[-1].sampler_rng, prompts_drawn=parts[-1].prompts_drawn)
 
 
 def log_iteration(t: Training, step: int, batch: Rollout, kl, stats: dict, lr: float, update_s: float, sync_ms):
@@ -2122,6 +2235,18 @@ def all_reduce(t, op="sum"):  # t reduced over all ranks, in place; the identity
     return t
 
 
+def on_device(device) -> dict:  # a thread pool's arguments: its threads on `device` (a new thread is on cuda:0)
+    return {"initializer": torch.cuda.set_device, "initargs": (device,)} if device.type == "cuda" else {}
+
+
+def gather_objects(obj, group=None) -> list:  # every rank's obj, in rank order; [obj] in a single process
+    if group is None:
+        return [obj]
+    objects = [None] * torch.distributed.get_world_size(group)
+    torch.distributed.all_gather_object(objects, obj, group=group)
+    return objects
+
+
 def any_rank(flag: bool, device) -> bool:  # a decision every rank must take together (skip an update, stop)
     return bool(all_reduce(torch.tensor([float(flag)], device=device), "max"))
 
@@ -2207,7 +2332,8 @@ CHOICES = {"kl_estimator": ("k1", "k2", "k3"), "kl_in": ("reward", "loss"),
            "dtype": ("float32", "bfloat16")}
 LOWER_BOUNDS = {"steps": 1, "batch_size": 1, "response_length": 1, "ppo_epochs": 1, "minibatches": 1, "eval_every": 1,
                 "samples_per_prompt": 1, "keep_checkpoints": 1, "max_bad_steps": 1, "is_cap": 1, "max_staleness": 0,
-                "clip_range_high": 0, "save_every": 0, "micro_batch_tokens": 0, "max_turns": 1, "env_latency": 0}
+                "clip_range_high": 0, "save_every": 0, "micro_batch_tokens": 0, "max_turns": 1, "env_latency": 0,
+                "dynamic_sampling": 0}
 
 
 def parse_config(argv=None) -> Config:
@@ -2284,6 +2410,9 @@ def check_config(cfg: Config):
                (not ADVANTAGES.get(cfg.advantage, ADVANTAGES["gae"]).groups or cfg.samples_per_prompt >= 2,
                 f"--advantage {cfg.advantage} compares the completions of a prompt: --samples-per-prompt must be >= 2 "
                 f"(got {cfg.samples_per_prompt}); e.g. 8"),
+               (not cfg.dynamic_sampling or cfg.samples_per_prompt >= 2,
+                f"--dynamic-sampling keeps groups whose scores differ: --samples-per-prompt must be >= 2 (got "
+                f"{cfg.samples_per_prompt})"),
                (cfg.kl_in == "reward" or cfg.kl_estimator != "k1",
                 "--kl-in loss needs --kl-estimator k2 or k3: k1's expected gradient is 0 (E[grad log pi] = 0)"),
                (cfg.samples_per_prompt < 1 or cfg.batch_size % (cfg.samples_per_prompt * world) == 0,

@@ -558,6 +558,44 @@ def test_importance_weights_are_exactly_one_for_fresh_tokens_and_truncated_for_s
     assert batch.correction["staleness_max"] == 2
 
 
+def test_per_token_rewards_land_on_their_tokens_and_the_readmes_overlong_penalty_is_dapos(tokenizer):
+    """A reward function may return, per completion, a reward per token (a process reward): each lands on its token
+    among the per-token rewards, with the KL and the missing-EOS penalty (against a float64 loop); the group
+    estimators see the sum. The README's DAPO overlong penalty, run as written there, is DAPO's length penalty."""
+    def process(prompts, completions, completion_ids):  # row r, token i: (i + 1) / 4, the sign alternating by row
+        return [[(-1) ** r * (i + 1) / 4 for i in range(len(ids))] for r, ids in enumerate(completion_ids)]
+
+    cfg, policy, reference, critic, batch = tiny_setup(tokenizer, kl_coef=0.1, missing_eos_penalty=0.5)
+    kl = score(batch, policy, reference, critic, functools.partial(pt.rule_scores, process), cfg)
+    lengths, ended = batch.response_mask.sum(1).tolist(), batch.ended.tolist()
+    assert not all(ended) and any(ended) and min(lengths) >= 2  # (both kinds of row, with tokens to reward)
+    for b, (n, stop) in enumerate(zip(lengths, ended)):
+        for t in range(batch.response.shape[1]):
+            want = -0.1 * float(kl[b, t]) if t < n else 0.0
+            want += (-1) ** b * (t + 1) / 4 if t < n - stop else 0.0  # on the completion's tokens, not the stop token
+            want -= 0.5 if t == n - 1 and not stop else 0.0  # the missing-EOS penalty on the last real token
+            assert abs(float(batch.rewards[b, t]) - want) < 1e-6, (b, t)
+        assert abs(float(batch.raw_scores[b]) - (-1) ** b * (n - stop) * (n - stop + 1) / 8) < 1e-6
+    grouped, policy, reference, _, batch = tiny_setup(tokenizer, advantage="grpo", samples_per_prompt=4)
+    score(batch, policy, reference, None, functools.partial(pt.rule_scores, process), grouped)
+    expected = group_estimate(batch.raw_scores, 4, "grpo")  # each completion's advantage: from its rewards' sum
+    assert torch.equal(batch.advantages, torch.where(batch.response_mask.bool(), expected[:, None], 0.0))
+    with pytest.raises(SystemExit, match="returned 1 rewards for completion 0, which has"):
+        pt.rule_scores(lambda prompts, completions: [[1.0]] * len(completions), batch)
+
+    readme = open(os.path.join(HERE, "README.md"), encoding="utf-8").read()
+    namespace = {}
+    exec(re.search(r"```python\n(def overlong\(.*?)```", readme, re.S).group(1), namespace)
+    overlong = namespace["overlong"]
+    for length in range(0, 257):  # DAPO: 0 up to budget - last, then (budget - last - |y|) / last, -1 at the budget
+        total = sum(overlong([""], [""], [[7] * length])[0])
+        assert abs(total - min(0.0, (192 - length) / 64)) < 1e-9, length
+    tokens = pt.rule_scores(functools.partial(overlong, budget=4, last=2), batch)  # through the reward contract
+    completion = torch.arange(4) < (batch.response_mask.sum(1, keepdim=True) - batch.ended[:, None].long())
+    assert torch.equal(batch.token_rewards, torch.where(completion & (torch.arange(4) >= 2), -0.5, 0.0))
+    assert torch.equal(tokens, batch.token_rewards.sum(-1))
+
+
 def group_estimate(scores, n, estimator, scale_rewards="group"):  # (B,) an estimator's advantage of each completion
     batch = SimpleNamespace(rewards=scores[:, None], response_mask=torch.ones(len(scores), 1))  # one token each
     cfg = pt.Config(advantage=estimator, samples_per_prompt=n, scale_rewards=scale_rewards)
@@ -849,6 +887,45 @@ def test_critic_free_update_trains_the_policy_alone_with_the_kl_in_its_loss(toke
     adam = torch.optim.AdamW(policy.parameters(), lr=1.0)
     pt.ppo_update(policy, None, adam, None, batch, cfg, [torch.arange(8)])
     assert batch.row_stats["zero_std_groups"] == 2 and not adam.state  # AdamW never stepped
+
+
+def test_dynamic_sampling_fills_the_batch_with_groups_that_have_signal_within_its_bound(tokenizer):
+    """DAPO's dynamic sampling: rounds of prompts until the batch holds --batch-size completions from groups whose
+    scores differ, signal first in the order sampled; at most --dynamic-sampling more rounds, then flat groups fill
+    the rest (out of the loss). Rows keep their own tokens, whatever each round's widths; the log says how much."""
+    policy = tiny_llama(len(tokenizer), seed=4, dtype=torch.float32)
+    cfg = pt.Config(batch_size=8, samples_per_prompt=2, dynamic_sampling=2, minibatches=1)  # 4 groups of 2 a round
+    rounds, calls = [], []
+    for k, scores in enumerate(([0, 0, 1, 0, 2, 2, 3, 3], [5, 5, 0, 1, 1, 1, 0, 0], [0, 2, 7, 7, 1, 0, 4, 4])):
+        texts = [f"{k}{g}+{g}=" for g in range(4) for _ in range(2)]  # a round's 4 prompts, each a group of 2
+        batch = demo_rollout(tokenizer, policy, texts, T=2 + k, seed=k)  # (three response widths)
+        batch.raw_scores = batch.scores = torch.tensor(scores, dtype=torch.float32)
+        batch.gen_s, batch.prompts_drawn = 1.0, 4 * (k + 1)
+        rounds.append(batch)
+
+    def sample_round():  # the next round, as make_batch's sample_and_reward gives it
+        calls.append(len(calls))
+        return rounds[len(calls)]
+
+    out = pt.dynamic_sampling(rounds[0], sample_round, cfg, tokenizer.pad_token_id)
+    assert calls == [0, 1] and out.prompts == ["01+1="] * 2 + ["11+1="] * 2 + ["20+0="] * 2 + ["22+2="] * 2
+    assert not pt.flat_groups(out.scores, 2).any() and out.scores.tolist() == [1, 0, 0, 1, 0, 2, 1, 0]
+    assert out.row_stats == {"sampling_rounds": 3, "filtered_frac": 1 - 4 / 12} and out.prompts_drawn == 12
+    assert out.gen_s == 3.0
+    for row, (k, r) in enumerate([(0, 2), (0, 3), (1, 2), (1, 3), (2, 0), (2, 1), (2, 4), (2, 5)]):
+        source, n = rounds[k], int(rounds[k].response_mask[r].sum())
+        assert torch.equal(out.response[row, :n], source.response[r, :n]) and out.response_mask[row].sum() == n
+        assert torch.equal(out.behav_logprobs[row, :n], source.behav_logprobs[r, :n]) and out.completions[row] == \
+            source.completions[r]
+        prompt = source.prompt_ids[r][source.prompt_mask[r].bool()]  # left-padded to the widest round's prompts
+        assert torch.equal(out.prompt_ids[row][out.prompt_mask[row].bool()], prompt)
+    for batch in rounds:  # no round with a group of signal: at most --dynamic-sampling more, then flat groups
+        batch.raw_scores = batch.scores = torch.ones(8)
+    calls.clear()
+    out = pt.dynamic_sampling(rounds[0], sample_round, pt.dataclasses.replace(cfg, dynamic_sampling=1), 0)
+    assert calls == [0] and out.prompts == rounds[0].prompts and out.row_stats["filtered_frac"] == 1.0
+    pt.choose_loss_tokens(out, cfg)  # then out of the loss, as without dynamic sampling
+    assert not out.loss_mask.any() and out.row_stats["zero_std_groups"] == 4
 
 
 def test_rows_without_a_loss_token_skip_the_update_and_change_nothing(tokenizer):
@@ -1616,11 +1693,12 @@ class ScriptedEnv:
         return self.observation, 10.0 * self.turn + len(completion_ids), False, False, {"role": self.role}
 
 
-def episodes(tokenizer, sampler, texts, env=ScriptedEnv, T=40, max_turns=3, seed=0, chat=False, **overrides):
+def episodes(tokenizer, sampler, texts, env=ScriptedEnv, T=40, max_turns=3, seed=0, chat=False, resize=None,
+             **overrides):
     cfg = pt.Config(response_length=T, max_turns=max_turns, temperature=1.0, chat_template=chat, **overrides)
     args = pt.sampling_args(cfg, tokenizer.pad_token_id, [tokenizer.eos_token_id], vocab=len(tokenizer))
     return cfg, pt.run_episodes(sampler, [env() for _ in texts], texts, list(range(len(texts))), tokenizer, cfg,
-                                None, **args, generator=torch.Generator().manual_seed(seed))
+                                None, resize, **args, generator=torch.Generator().manual_seed(seed))
 
 
 def check_conversation(batch, tokenizer, observation_ids, T):
@@ -1668,9 +1746,13 @@ def test_multi_turn_episodes_mask_observations_and_score_like_the_whole_conversa
     fast = episodes(tokenizer, decoder, texts)[1]
     check_conversation(fast, tokenizer, tokenizer("<=", add_special_tokens=False)["input_ids"], 40)
     torch.testing.assert_close(pt.rollout_logprobs(policy, fast, cfg)[0], fast.behav_logprobs, rtol=0, atol=1e-10)
-    short = pt.fast_decoder(policy, len(texts), 20, pt.PlainDecoder)  # a turn that does not fit: one line, not silence
-    with pytest.raises(RuntimeError, match="PPO_TOKENS_STRICT=1: --env: a turn of 7 \\+ 40 tokens exceeds the static"):
+    short = pt.fast_decoder(policy, len(texts), 20, pt.PlainDecoder)  # turns that do not fit: one line, not silence
+    with pytest.raises(RuntimeError, match="PPO_TOKENS_STRICT=1: --env: first observations of up to 7 tokens and a "
+                                           "budget of 40 need 87 columns, more than the static cache's 20"):
         episodes(tokenizer, short, texts)
+    grown = []  # or, given a way to, a static cache sized from what the turns prefill (train: static_decoder)
+    resized = episodes(tokenizer, short, texts, resize=lambda columns: grown.append(columns) or decoder)[1]
+    assert grown == [87] and torch.equal(resized.response, fast.response)  # (decoder: 247 columns, the same draws)
     # two turns that every row reaches (120 tokens: EOS comes first): both decoders sample the same conversation
     plain, fast = (episodes(tokenizer, sampler, texts, T=120, max_turns=2)[1] for sampler in (policy, decoder))
     assert int(plain.context_mask.sum()) > int(plain.response_mask.sum()) > 0
@@ -2096,6 +2178,68 @@ def test_whitening_and_the_first_update_do_not_depend_on_the_world_size(tmp_path
         assert math.isclose(two["stats"]["pg_loss"], stats["pg_loss"], rel_tol=1e-4, abs_tol=1e-6), agg
         for a, b in zip(two["weights"], weights):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+@slow
+def test_dynamic_sampling_chooses_the_same_groups_at_one_rank_and_two_and_with_the_overlapped_loop(tmp_path):
+    """Which groups a batch holds is chosen over every rank's groups in one order, so a run at one rank and at two
+    (gloo, the sampler thread at --max-staleness 1) train on the same prompts. The reward decides by prompt: two in
+    three prompts' groups are flat, the others have signal."""
+    (tmp_path / "by_prompt.py").write_text(
+        "def score(prompts, completions):\n"
+        "    seen = {}\n    out = []\n"
+        "    for p in prompts:  # a group's rows lie side by side: its k-th row scores k, or all 0\n"
+        "        seen[p] = seen.get(p, -1) + 1\n"
+        "        a, b = p.rstrip('=').split('+')\n"
+        "        out.append(float(seen[p]) if (int(a) + int(b)) % 3 == 0 else 0.0)\n"
+        "    return out\n")
+    (tmp_path / "record.py").write_text(  # each rank's batch prompts, as the reference scores them
+        f"import json, os, sys\nsys.path.insert(0, {HERE!r})\nimport ppo_tokens\n"
+        "scored = ppo_tokens.score_frozen\n"
+        "def recording(batch, reference, cfg):\n"
+        "    with open(f\"batches{os.environ.get('RANK', '0')}.jsonl\", 'a') as f:\n"
+        "        f.write(json.dumps(batch.prompts) + '\\n')\n"
+        "    return scored(batch, reference, cfg)\n"
+        "ppo_tokens.score_frozen = recording\nppo_tokens.main(sys.argv[1:])\n")
+    args = ["record.py", "--reward", "by_prompt:score", "--advantage", "grpo", "--samples-per-prompt", "4",
+            "--batch-size", "16", "--minibatches", "2", "--steps", "3", "--response-length", "4", "--dynamic-sampling",
+            "3", "--demo-warmup-steps", "0", "--eval-size", "40", "--sample-every", "0", "--no-compile-sampler",
+            "--device", "cpu"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir(), two.mkdir()
+    for d in (one, two):
+        for name in ("by_prompt.py", "record.py"):
+            shutil.copy(tmp_path / name, d / name)
+    subprocess.run([sys.executable, *args, "--output-dir", "run"], cwd=one, check=True, capture_output=True)
+    torchrun([*args, "--max-staleness", "1", "--output-dir", "run"], two)
+    batches = [json.loads(line) for line in (one / "batches0.jsonl").read_text().splitlines()]
+    halves = [[json.loads(line) for line in (two / f"batches{r}.jsonl").read_text().splitlines()] for r in (0, 1)]
+    assert [a + b for a, b in zip(*halves)] == batches and len(batches) == 3
+    for prompts in batches:  # every group with signal: its prompt's sum divides by 3
+        assert len(prompts) == 16 and all(sum(map(int, p.rstrip("=").split("+"))) % 3 == 0 for p in prompts)
+    records = read_metrics(one / "run")
+    assert all(r["sampling_rounds"] >= 2 and 0 < r["filtered_frac"] < 1 for r in records if r["step"] > 0)
+
+
+@slow
+def test_torchrun_an_environment_that_fails_on_one_rank_stops_every_rank_with_its_line(tmp_path):
+    """reset() fails on rank 1 only: the ranks decide together (the producer's gloo group), so each rank exits with
+    the same one line, rather than rank 0 waiting in a collective until the launcher kills it."""
+    (tmp_path / "flaky_node.py").write_text(
+        "import os\n"
+        "class FailsOnRank1:\n"
+        "    def reset(self, prompt, seed=None):\n"
+        "        if os.environ.get('RANK') == '1':\n"
+        "            raise RuntimeError('no sandbox on this node')\n"
+        "        return prompt, {}\n"
+        "    def step(self, action, ended=True):\n"
+        "        return '', 1.0, True, False, {}\n")
+    proc = torchrun([SCRIPT, "--env", "flaky_node:FailsOnRank1", "--batch-size", "8", "--minibatches", "2", "--steps",
+                     "2", "--demo-warmup-steps", "0", "--eval-size", "40", "--sample-every", "0", "--device", "cpu",
+                     "--output-dir", "run"], tmp_path, timeout=120, check=False)
+    assert proc.returncode != 0
+    line = "--env: reset() raised RuntimeError: no sandbox on this node; the last good checkpoint is none"
+    assert (proc.stdout + proc.stderr).count(line) == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
 
 
 @slow
@@ -2706,11 +2850,77 @@ def cuda_records(output_dir, steps, ratio_tol=1e-3):
     return records
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
+def test_multi_turn_copies_observations_once_a_turn_and_grows_the_static_cache_to_long_first_observations(
+        tmp_path, device, monkeypatch):
+    """The GPU review's multi-turn findings. Observations go to the device in one copy a turn, not one a row: the count
+    of host-to-device transfers does not grow with the rows. A reset() observation longer than every prompt (which
+    sized the static cache) grows the sampler's static cache once, said in one line, and never falls back to the
+    plain loop (PPO_TOKENS_STRICT: a fall-back is an error). The environment threads run on the run's device."""
+    tokenizer = pt.build_demo_tokenizer(hints=True)
+    policy = tiny_llama(len(tokenizer), seed=3, max_position_embeddings=256).to(device)
+    to, tensor, transfers = torch.Tensor.to, torch.tensor, []
+
+    def spy_to(self, *args, **kwargs):  # ppo_tokens.py sends a host tensor to the run's device
+        if self.device.type == "cpu" and torch.device(device) in [a for a in (*args, *kwargs.values())
+                                                                  if isinstance(a, torch.device)]:
+            transfers.append(sys._getframe(1).f_code.co_filename == pt.__file__)
+        return to(self, *args, **kwargs)
+
+    def spy_tensor(data, *args, **kwargs):  # ppo_tokens.py makes a tensor from host data on the run's device
+        if "device" in kwargs and torch.device(kwargs["device"]) == torch.device(device):
+            transfers.append(sys._getframe(1).f_code.co_filename == pt.__file__)
+        return tensor(data, *args, **kwargs)
+
+    counts = []
+    for rows in (4, 12):
+        texts = [f"{a}+{a}=" for a in range(10, 10 + rows)]
+        cfg = pt.Config(response_length=40, max_turns=3, temperature=1.0, chat_template=False)
+        args = pt.sampling_args(cfg, tokenizer.pad_token_id, [tokenizer.eos_token_id], vocab=len(tokenizer))
+        generator = torch.Generator(device).manual_seed(0)
+        transfers.clear()
+        with monkeypatch.context() as m:
+            m.setattr(torch.Tensor, "to", spy_to)
+            m.setattr(torch, "tensor", spy_tensor)
+            batch = pt.run_episodes(policy, [ScriptedEnv() for _ in texts], texts, list(range(rows)), tokenizer,
+                                    cfg, None, **args, generator=generator)
+        assert int(batch.context_mask.sum()) > int(batch.response_mask.sum())  # observations were appended
+        counts.append((sum(transfers), len(batch.episodes["rewards"][0])))
+    assert counts[0] == counts[1]  # as many transfers for 12 rows as for 4 (in as many turns)
+
+    (tmp_path / "long_reset.py").write_text(  # the first observation: the question four times
+        "import threading, torch\n"
+        "class LongReset:\n"
+        "    def reset(self, prompt, seed=None):\n"
+        "        return prompt * 4, {}\n"
+        "    def step(self, action, ended=True):\n"
+        "        name = threading.current_thread().name\n"
+        "        where = torch.cuda.current_device() if torch.cuda.is_available() else -1\n"
+        "        open('steps.txt', 'a').write(f'{name} {where}\\n')\n"
+        "        return '', 1.0, True, False, {}\n")
+    target = f"cuda:{torch.cuda.device_count() - 1}" if device == "cuda" else "cpu"
+    run = run_raw if device == "cuda" else run_main  # (CUDA: a process of its own)
+    out = run(["--env", "long_reset:LongReset", "--batch-size", "8", "--minibatches", "2", "--steps", "2",
+               "--demo-warmup-steps", "0", "--eval-size", "40", "--sample-every", "0", "--device", target,
+               "--output-dir", "run"], tmp_path)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert out.stdout.count("the sampler's static cache grows to them") == 1  # once, then it fits
+    steps = [line.split() for line in (tmp_path / "steps.txt").read_text().splitlines()]
+    assert any(name.startswith("ppo_tokens-env") for name, _ in steps)  # (the held-out episodes: the main thread)
+    if device == "cuda":  # each environment thread on the run's device, not on cuda:0
+        assert all(int(where) == torch.device(target).index for _, where in steps)
+
+
 @cuda
-def test_cuda_real_model_runs_default_to_bf16_where_the_gpu_has_bf16_matmuls():
-    has = torch.cuda.is_bf16_supported()
-    assert pt.native_bf16(True) == has and pt.Config(model="m", device="cuda").bf16 == has
-    assert pt.Config(model="m", device="cuda").dtype == "bfloat16" and not pt.Config(device="cuda").bf16  # (demo)
+def test_cuda_native_bf16_reads_the_runs_own_device():
+    """bf16 matmuls in hardware: sm >= 80 on the run's device (not is_bf16_supported(), which counts emulated bf16),
+    read without a context on another GPU; --model presets --bf16, refused where it would be emulated."""
+    for index in range(torch.cuda.device_count()):
+        device = torch.device("cuda", index)
+        assert pt.native_bf16(device) == (torch.cuda.get_device_capability(index) >= (8, 0))
+    assert pt.make_config(model="m", device="cuda").bf16 and pt.make_config(model="m", device="cuda").dtype == \
+        "bfloat16"
+    assert not pt.Config(device="cuda").bf16 and pt.Config(device="cuda").dtype == "bfloat16"  # (the frozen models)
 
 
 @cuda
