@@ -206,10 +206,9 @@ Dist = collections.namedtuple("Dist", "rank local_rank world", defaults=(0, 0, 1
 
 # ----------------------------------------------------------------------------------------------------------------
 # THE ALGORITHM, in the order it runs; the PLUMBING after it is called by name. One iteration of train():
-# generate -> score_frozen (reference log-probs, the reward) -> score_trainer (old log-probs, values, rewards, an
-# ADVANTAGES estimator, the staleness weights) -> ppo_update (a POLICY_LOSSES loss, value_loss) ->
-# WeightSync.publish (the sampler pulls the new weights before its next batch).
-# rollout: the policy samples a completion per prompt with its own KV-cache loop
+# make_batch (generate, the reward, choose_loss_tokens, score_frozen: reference log-probs) -> score_trainer (old
+# log-probs, values, rewards, an ADVANTAGES estimator, the staleness weights) -> ppo_update (a POLICY_LOSSES loss,
+# value_loss) -> WeightSync.publish (the sampler pulls the new weights before its next batch). The batch's record:
 
 
 @dataclass
@@ -270,6 +269,180 @@ def by_group(x, n: int):  # (B, ...) -> (B / n, n, ...): a row per group (group_
 def flat_groups(scores, n: int):  # (B,) bool: the row's group of n completions all got the same score (no signal)
     groups = by_group(scores, n)
     return (groups == groups[:, :1]).all(1).repeat_interleave(n)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the loop, and the producer's batches: sample, reward, choose the rows of the loss, reference log-probs
+
+
+def train(cfg: Config, run, output_dir: str, threaded=None, ctx: Dist = Dist()):
+    """threaded=None: a sampler thread iff --max-staleness > 0 (at staleness 0 it gives the inline loop's result to
+    the bit). Version v = the weights after v updates: batch i is sampled with version >= i - max_staleness (Producer
+    waits for it); the trainer scores and updates with version step - 1, then publishes version step. A --resume at
+    staleness 0 ends at the uninterrupted run's weights."""
+    t = start_training(cfg, run, output_dir, threaded, ctx)  # sampler copy, trained models, optimizers, a resume
+    device = run.policy.device
+    with StopSignal() as stop, contextlib.closing(t):
+        if run.task.evaluate is not None and not cfg.resume and ctx.rank == 0:  # the held-out scores before PPO
+            scores = run.task.evaluate(t.evaluator, run.tokenizer, cfg)
+            t.first_accuracy = scores["eval_accuracy"]
+            t.logger.log({"step": 0, **scores, "time_s": 0.0})
+            print(f"held-out sampled accuracy before PPO: {t.first_accuracy:.3f}" + "".join(
+                f", {k[5:]} {v:.3f}" for k, v in scores.items() if k != "eval_accuracy"))
+        t.producer = Producer(t)
+        t.window_start = time.time()  # an iteration's window ends at the end of the next
+        t.run_start = t.window_start - t.elapsed
+        t.timer.take()
+        for step in range(t.start + 1, cfg.steps + 1):
+            # 1. the next batch: sampled by the sampler, scored by the reference and the reward (make_batch)
+            batch = t.producer.get()
+            # 2. scored with the current weights: old log-probs, values, rewards, advantages, staleness weights
+            with t.timer.span("score: old log-probs, values", "trainer"):
+                shuffle = [torch.randperm(len(batch.response), generator=t.shuffle_generator)
+                           for _ in range(cfg.ppo_epochs)]  # each epoch's row order; the first one also scores
+                kl = score_trainer(batch, t.actor, t.critic, cfg, shuffle[0], version=step - 1)
+                for model in (t.actor, t.critic):  # FSDP2: a no-grad forward leaves the root's weights gathered
+                    getattr(model, "reshard", lambda: None)()
+                problem = nonfinite(batch)  # the non-finite guard, decided by all ranks together
+                if any_rank(problem is not None, device) and torch.distributed.is_initialized():
+                    problems = [None] * ctx.world
+                    torch.distributed.all_gather_object(problems, problem)
+                    problem = "; ".join(f"rank {r}: {p}" for r, p in enumerate(problems) if p)
+            # 3. the PPO update: --ppo-epochs x --minibatches clipped steps of the policy and the critic
+            with t.timer.span("update", "trainer"):
+                update_start = time.time()
+                lr = t.schedules[0].get_last_lr()[0]  # the learning rate this update uses
+                stats = ppo_update(t.actor, t.critic, *t.optimizers, batch, cfg, shuffle) if problem is None else {}
+                problem = problem or stats.get("nonfinite")
+                for schedule in t.schedules:
+                    schedule.step()
+                update_s = time.time() - update_start
+            # 4. the new weights become version `step`; the sampler pulls them before its next batch (make_batch)
+            with t.timer.span("publish weights", "trainer"):
+                t.sync.publish(step)
+                sync_ms = t.sync.sync_ms()
+            # 5. log the iteration, evaluate, checkpoint; or skip the update (the weights stay finite) and count it
+            if problem is None:
+                log_iteration(t, step, batch, kl, stats, lr, update_s, sync_ms)
+                if cfg.save_every and (step % cfg.save_every == 0 or step == cfg.steps):
+                    save_training(t, step, batch)
+            else:
+                t.bad_steps += 1
+                t.logger.log({"step": step, "skipped_update": f"non-finite {problem}",
+                              "time_s": time.time() - t.run_start})
+                print(f"it {step:>4}/{cfg.steps} | update skipped: non-finite {problem} | "
+                      f"{t.bad_steps}/{cfg.max_bad_steps} in a row", flush=True)
+                if t.bad_steps >= cfg.max_bad_steps:
+                    raise SystemExit(f"stopping: {t.bad_steps} consecutive updates skipped for non-finite values "
+                                     f"(last: {problem}); the last good checkpoint is "
+                                     f"{t.last_checkpoint or 'none (--save-every 0)'}")
+            # 6. a SIGINT / SIGTERM to any rank: every rank stops after this iteration, with a checkpoint
+            if any_rank(stop.name is not None, device):
+                if not str(t.last_checkpoint).endswith(f"step-{step:08d}"):  # (not just written by --save-every)
+                    save_training(t, step, batch)
+                launcher = "python" if ctx.world == 1 else f"torchrun --nproc_per_node {ctx.world}"
+                print(f"stopped by {stop.name or 'a signal to another rank'} after iteration {step}/{cfg.steps}; "
+                      f"continue with: {launcher} ppo_tokens.py --resume {t.last_checkpoint}")
+                return t.history
+    finish_training(t)
+    return t.history
+
+
+def make_batch(t: "Training", i: int, stop: threading.Event) -> Rollout:
+    """The producer's work for batch i (in the sampler thread when the loop overlaps): sample and reward completions,
+    choose the rows of the loss, score them with the reference."""
+    cfg, run = t.cfg, t.run
+    version = t.sync.pull()
+    batch = sample_and_reward(t, i, version, stop)
+    if cfg.dynamic_sampling:  # more rounds, until the batch holds groups with signal
+        batch = dynamic_sampling(batch, functools.partial(sample_and_reward, t, i, version, stop), cfg,
+                                 run.tokenizer.pad_token_id, t.sampler_group)
+    with t.timer.span("score: reference", "sampler"):
+        score_frozen(batch, run.reference, cfg)
+        if run.policy.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()  # the batch is complete before the trainer's stream reads it
+    return batch
+
+
+def sample_and_reward(t: "Training", i: int, version: int, stop: threading.Event) -> Rollout:
+    """A round of sampling: the next --batch-size / --samples-per-prompt prompts, each a group of completions (this
+    rank's rows), and their rewards."""
+    cfg, run = t.cfg, t.run
+    with t.timer.span("generate", "sampler"):
+        t0 = time.perf_counter()
+        prompts = [next(t.order) for _ in range(cfg.batch_size // cfg.samples_per_prompt)]
+        t.prompts_drawn += len(prompts)
+        rows = group_rows(prompts, cfg.samples_per_prompt)[t.rank_rows]  # every rank whole groups
+        args = dict(sampling_args(cfg, run.tokenizer.pad_token_id, run.stop_ids, run.vocab),
+                    generator=t.sample_generator, policy_version=version, stop=stop)
+        texts = [run.prompt_texts[r] for r in rows]
+        if run.env is None:
+            ids, mask = left_pad([run.prompt_ids[r] for r in rows], run.tokenizer.pad_token_id, run.policy.device)
+            batch = generate(t.decoder, ids, mask, **args)
+            batch.completions = decode_completions(run.tokenizer, batch)
+        else:  # an environment per row, seeded by the run, the batch and the prompt: a resume replays it
+            seeds = [cfg.seed * 1_000_003 + i * cfg.batch_size + (t.rank_rows.start + k) // cfg.samples_per_prompt
+                     for k in range(len(rows))]  # (a group's rows: one task)
+            try:
+                batch = run_episodes(t.decoder, [run.env() for _ in rows], texts, seeds, run.tokenizer, cfg, t.pool,
+                                     functools.partial(static_decoder, t), **args)
+                failed = [e for e in batch.episodes["errors"] if e]
+                if failed:
+                    print(f"--env: {len(failed)} of {len(rows)} episodes of batch {i} ended on an error; the first: "
+                          f"{failed[0]}", flush=True)
+                problem = None if 2 * len(failed) <= len(rows) else (
+                    f"stopping: the environment failed in {len(failed)} of {len(rows)} episodes of batch {i} "
+                    f"({failed[0]})")
+            except SystemExit as e:  # reset() failed
+                problem = str(e)
+            problems = [p for p in gather_objects(problem, t.sampler_group) if p]  # every rank stops, or none
+            if problems:
+                raise SystemExit(f"{problems[0]}; the last good checkpoint is "
+                                 f"{t.last_checkpoint or 'none (--save-every 0)'}")
+        batch.prompts = texts
+        batch.gen_s = time.perf_counter() - t0
+        batch.sampler_rng = t.sample_generator.get_state()  # the state after this batch, for a checkpoint
+        batch.prompts_drawn = t.prompts_drawn
+    with t.timer.span("score: reward", "sampler"):
+        reward_scores(batch, run.reward_fn, cfg)
+    return batch
+
+
+def dynamic_sampling(batch: Rollout, sample_round, cfg: Config, pad_id: int, group=None) -> Rollout:
+    """DAPO's dynamic sampling (Yu et al. 2025): a batch holds only groups with signal (scores not all equal), and more
+    rounds (sample_round(): the next prompts, sampled and rewarded) refill it, at most --dynamic-sampling of them;
+    flat groups fill what is still missing (choose_loss_tokens drops them). The groups are chosen over every rank's,
+    in one order (round, rank, group), and each rank then takes its slice, as verl's single controller chooses:
+    which groups a batch holds does not depend on the world size. group: the producer's process group."""
+    n, wanted = cfg.samples_per_prompt, cfg.batch_size // cfg.samples_per_prompt  # groups in a batch, all ranks'
+    rounds, signal = [batch], []  # this rank's rounds; each round's signal flags of every rank's groups, in order
+    while True:
+        signal.append(torch.cat(gather_objects((~flat_groups(rounds[-1].scores, n)[::n]).cpu(), group)))
+        if sum(int(flags.sum()) for flags in signal) >= wanted or len(rounds) > cfg.dynamic_sampling:
+            break
+        rounds.append(sample_round())
+    per_rank = len(batch.ended) // n  # groups a round on a rank
+    world = len(signal[0]) // per_rank
+    order = [(k, int(g)) for want in (True, False) for k, flags in enumerate(signal)
+             for g in (flags == want).nonzero()[:, 0]][:wanted]  # signal first, then flat ones: (round, group)
+    rank = torch.distributed.get_rank(group) if group is not None else 0
+    pool = concat_rollouts(rounds, pad_id)  # this rank's rows, round after round
+    mine = [(k, g) for k, g in order if g // per_rank == rank]  # the chosen groups sampled here
+    rows = [(k * per_rank + g % per_rank) * n + j for k, g in mine for j in range(n)]
+    parts = gather_objects((mine, take_rows(pool, rows, "cpu")), group)  # every rank's chosen groups
+    where = {key: (part, i) for keys, part in parts for i, key in enumerate(keys)}
+    share = order[rank * wanted // world:(rank + 1) * wanted // world]  # this rank's slice, in the global order
+    picked = [take_rows(where[key][0], list(range(where[key][1] * n, where[key][1] * n + n)), batch.response.device)
+              for key in share]
+    out = concat_rollouts(picked, pad_id)
+    out.gen_s, out.sampler_rng, out.prompts_drawn = sum(r.gen_s for r in rounds), pool.sampler_rng, pool.prompts_drawn
+    sampled = sum(len(flags) for flags in signal)
+    out.row_stats = {"sampling_rounds": len(rounds), "filtered_frac": 1 - sum(int(f.sum()) for f in signal) / sampled}
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# rollout: the policy samples a completion per prompt with its own KV-cache loop
 
 
 def positions(mask):  # (B, L) -> (B, L): position ids that count real tokens only, right under left padding
@@ -856,83 +1029,6 @@ def loss_denominators(batch: Rollout, minibatches, cfg: Config):
     if cfg.loss_agg == "seq-mean-token-mean":
         return tokens, sequences, 1.0 / lengths.clamp(min=1), empty
     return tokens, sequences * cfg.response_length, None, empty
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# the loop
-
-
-def train(cfg: Config, run, output_dir: str, threaded=None, ctx: Dist = Dist()):
-    """threaded=None: a sampler thread iff --max-staleness > 0 (at staleness 0 it gives the inline loop's result to
-    the bit). Version v = the weights after v updates: batch i is sampled with version >= i - max_staleness (Producer
-    waits for it); the trainer scores and updates with version step - 1, then publishes version step. A --resume at
-    staleness 0 ends at the uninterrupted run's weights."""
-    t = start_training(cfg, run, output_dir, threaded, ctx)  # sampler copy, trained models, optimizers, a resume
-    device = run.policy.device
-    with StopSignal() as stop, contextlib.closing(t):
-        if run.task.evaluate is not None and not cfg.resume and ctx.rank == 0:  # the held-out scores before PPO
-            scores = run.task.evaluate(t.evaluator, run.tokenizer, cfg)
-            t.first_accuracy = scores["eval_accuracy"]
-            t.logger.log({"step": 0, **scores, "time_s": 0.0})
-            print(f"held-out sampled accuracy before PPO: {t.first_accuracy:.3f}" + "".join(
-                f", {k[5:]} {v:.3f}" for k, v in scores.items() if k != "eval_accuracy"))
-        t.producer = Producer(t)
-        t.window_start = time.time()  # an iteration's window ends at the end of the next
-        t.run_start = t.window_start - t.elapsed
-        t.timer.take()
-        for step in range(t.start + 1, cfg.steps + 1):
-            # 1. the next batch: sampled by the sampler, scored by the reference and the reward (make_batch)
-            batch = t.producer.get()
-            # 2. scored with the current weights: old log-probs, values, rewards, advantages, staleness weights
-            with t.timer.span("score: old log-probs, values", "trainer"):
-                shuffle = [torch.randperm(len(batch.response), generator=t.shuffle_generator)
-                           for _ in range(cfg.ppo_epochs)]  # each epoch's row order; the first one also scores
-                kl = score_trainer(batch, t.actor, t.critic, cfg, shuffle[0], version=step - 1)
-                for model in (t.actor, t.critic):  # FSDP2: a no-grad forward leaves the root's weights gathered
-                    getattr(model, "reshard", lambda: None)()
-                problem = nonfinite(batch)  # the non-finite guard, decided by all ranks together
-                if any_rank(problem is not None, device) and torch.distributed.is_initialized():
-                    problems = [None] * ctx.world
-                    torch.distributed.all_gather_object(problems, problem)
-                    problem = "; ".join(f"rank {r}: {p}" for r, p in enumerate(problems) if p)
-            # 3. the PPO update: --ppo-epochs x --minibatches clipped steps of the policy and the critic
-            with t.timer.span("update", "trainer"):
-                update_start = time.time()
-                lr = t.schedules[0].get_last_lr()[0]  # the learning rate this update uses
-                stats = ppo_update(t.actor, t.critic, *t.optimizers, batch, cfg, shuffle) if problem is None else {}
-                problem = problem or stats.get("nonfinite")
-                for schedule in t.schedules:
-                    schedule.step()
-                update_s = time.time() - update_start
-            # 4. the new weights become version `step`; the sampler pulls them before its next batch (make_batch)
-            with t.timer.span("publish weights", "trainer"):
-                t.sync.publish(step)
-                sync_ms = t.sync.sync_ms()
-            # 5. log the iteration, evaluate, checkpoint; or skip the update (the weights stay finite) and count it
-            if problem is None:
-                log_iteration(t, step, batch, kl, stats, lr, update_s, sync_ms)
-                if cfg.save_every and (step % cfg.save_every == 0 or step == cfg.steps):
-                    save_training(t, step, batch)
-            else:
-                t.bad_steps += 1
-                t.logger.log({"step": step, "skipped_update": f"non-finite {problem}",
-                              "time_s": time.time() - t.run_start})
-                print(f"it {step:>4}/{cfg.steps} | update skipped: non-finite {problem} | "
-                      f"{t.bad_steps}/{cfg.max_bad_steps} in a row", flush=True)
-                if t.bad_steps >= cfg.max_bad_steps:
-                    raise SystemExit(f"stopping: {t.bad_steps} consecutive updates skipped for non-finite values "
-                                     f"(last: {problem}); the last good checkpoint is "
-                                     f"{t.last_checkpoint or 'none (--save-every 0)'}")
-            # 6. a SIGINT / SIGTERM to any rank: every rank stops after this iteration, with a checkpoint
-            if any_rank(stop.name is not None, device):
-                if not str(t.last_checkpoint).endswith(f"step-{step:08d}"):  # (not just written by --save-every)
-                    save_training(t, step, batch)
-                launcher = "python" if ctx.world == 1 else f"torchrun --nproc_per_node {ctx.world}"
-                print(f"stopped by {stop.name or 'a signal to another rank'} after iteration {step}/{cfg.steps}; "
-                      f"continue with: {launcher} ppo_tokens.py --resume {t.last_checkpoint}")
-                return t.history
-    finish_training(t)
-    return t.history
 
 
 # ================================================================================================================
@@ -1803,99 +1899,6 @@ def static_decoder(t: Training, columns: int):  # the sampler's fast decoder for
     t.decoder = fast_decoder(sampler, t.rank_rows.stop - t.rank_rows.start, columns, PlainDecoder,
                              t.cfg.compile_sampler, threads=1 if cpu_thread else 0, group=t.cfg.samples_per_prompt)
     return t.decoder
-
-
-def make_batch(t: Training, i: int, stop: threading.Event) -> Rollout:
-    """The producer's work for batch i (in the sampler thread when the loop overlaps): sample and reward completions,
-    choose the rows of the loss, score them with the reference."""
-    cfg, run = t.cfg, t.run
-    version = t.sync.pull()
-    batch = sample_and_reward(t, i, version, stop)
-    if cfg.dynamic_sampling:  # more rounds, until the batch holds groups with signal
-        batch = dynamic_sampling(batch, functools.partial(sample_and_reward, t, i, version, stop), cfg,
-                                 run.tokenizer.pad_token_id, t.sampler_group)
-    with t.timer.span("score: reference", "sampler"):
-        score_frozen(batch, run.reference, cfg)
-        if run.policy.device.type == "cuda":
-            torch.cuda.current_stream().synchronize()  # the batch is complete before the trainer's stream reads it
-    return batch
-
-
-def sample_and_reward(t: Training, i: int, version: int, stop: threading.Event) -> Rollout:
-    """A round of sampling: the next --batch-size / --samples-per-prompt prompts, each a group of completions (this
-    rank's rows), and their rewards."""
-    cfg, run = t.cfg, t.run
-    with t.timer.span("generate", "sampler"):
-        t0 = time.perf_counter()
-        prompts = [next(t.order) for _ in range(cfg.batch_size // cfg.samples_per_prompt)]
-        t.prompts_drawn += len(prompts)
-        rows = group_rows(prompts, cfg.samples_per_prompt)[t.rank_rows]  # every rank whole groups
-        args = dict(sampling_args(cfg, run.tokenizer.pad_token_id, run.stop_ids, run.vocab),
-                    generator=t.sample_generator, policy_version=version, stop=stop)
-        texts = [run.prompt_texts[r] for r in rows]
-        if run.env is None:
-            ids, mask = left_pad([run.prompt_ids[r] for r in rows], run.tokenizer.pad_token_id, run.policy.device)
-            batch = generate(t.decoder, ids, mask, **args)
-            batch.completions = decode_completions(run.tokenizer, batch)
-        else:  # an environment per row, seeded by the run, the batch and the prompt: a resume replays it
-            seeds = [cfg.seed * 1_000_003 + i * cfg.batch_size + (t.rank_rows.start + k) // cfg.samples_per_prompt
-                     for k in range(len(rows))]  # (a group's rows: one task)
-            try:
-                batch = run_episodes(t.decoder, [run.env() for _ in rows], texts, seeds, run.tokenizer, cfg, t.pool,
-                                     functools.partial(static_decoder, t), **args)
-                failed = [e for e in batch.episodes["errors"] if e]
-                if failed:
-                    print(f"--env: {len(failed)} of {len(rows)} episodes of batch {i} ended on an error; the first: "
-                          f"{failed[0]}", flush=True)
-                problem = None if 2 * len(failed) <= len(rows) else (
-                    f"stopping: the environment failed in {len(failed)} of {len(rows)} episodes of batch {i} "
-                    f"({failed[0]})")
-            except SystemExit as e:  # reset() failed
-                problem = str(e)
-            problems = [p for p in gather_objects(problem, t.sampler_group) if p]  # every rank stops, or none
-            if problems:
-                raise SystemExit(f"{problems[0]}; the last good checkpoint is "
-                                 f"{t.last_checkpoint or 'none (--save-every 0)'}")
-        batch.prompts = texts
-        batch.gen_s = time.perf_counter() - t0
-        batch.sampler_rng = t.sample_generator.get_state()  # the state after this batch, for a checkpoint
-        batch.prompts_drawn = t.prompts_drawn
-    with t.timer.span("score: reward", "sampler"):
-        reward_scores(batch, run.reward_fn, cfg)
-    return batch
-
-
-def dynamic_sampling(batch: Rollout, sample_round, cfg: Config, pad_id: int, group=None) -> Rollout:
-    """DAPO's dynamic sampling (Yu et al. 2025): a batch holds only groups with signal (scores not all equal), and more
-    rounds (sample_round(): the next prompts, sampled and rewarded) refill it, at most --dynamic-sampling of them;
-    flat groups fill what is still missing (choose_loss_tokens drops them). The groups are chosen over every rank's,
-    in one order (round, rank, group), and each rank then takes its slice, as verl's single controller chooses:
-    which groups a batch holds does not depend on the world size. group: the producer's process group."""
-    n, wanted = cfg.samples_per_prompt, cfg.batch_size // cfg.samples_per_prompt  # groups in a batch, all ranks'
-    rounds, signal = [batch], []  # this rank's rounds; each round's signal flags of every rank's groups, in order
-    while True:
-        signal.append(torch.cat(gather_objects((~flat_groups(rounds[-1].scores, n)[::n]).cpu(), group)))
-        if sum(int(flags.sum()) for flags in signal) >= wanted or len(rounds) > cfg.dynamic_sampling:
-            break
-        rounds.append(sample_round())
-    per_rank = len(batch.ended) // n  # groups a round on a rank
-    world = len(signal[0]) // per_rank
-    order = [(k, int(g)) for want in (True, False) for k, flags in enumerate(signal)
-             for g in (flags == want).nonzero()[:, 0]][:wanted]  # signal first, then flat ones: (round, group)
-    rank = torch.distributed.get_rank(group) if group is not None else 0
-    pool = concat_rollouts(rounds, pad_id)  # this rank's rows, round after round
-    mine = [(k, g) for k, g in order if g // per_rank == rank]  # the chosen groups sampled here
-    rows = [(k * per_rank + g % per_rank) * n + j for k, g in mine for j in range(n)]
-    parts = gather_objects((mine, take_rows(pool, rows, "cpu")), group)  # every rank's chosen groups
-    where = {key: (part, i) for keys, part in parts for i, key in enumerate(keys)}
-    share = order[rank * wanted // world:(rank + 1) * wanted // world]  # this rank's slice, in the global order
-    picked = [take_rows(where[key][0], list(range(where[key][1] * n, where[key][1] * n + n)), batch.response.device)
-              for key in share]
-    out = concat_rollouts(picked, pad_id)
-    out.gen_s, out.sampler_rng, out.prompts_drawn = sum(r.gen_s for r in rounds), pool.sampler_rng, pool.prompts_drawn
-    sampled = sum(len(flags) for flags in signal)
-    out.row_stats = {"sampling_rounds": len(rounds), "filtered_frac": 1 - sum(int(f.sum()) for f in signal) / sampled}
-    return out
 
 
 def take_rows(batch: Rollout, rows: list, device) -> Rollout:  # batch.rows(rows) with its lists too, on `device`
