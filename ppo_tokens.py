@@ -189,9 +189,7 @@ def presets(given: dict) -> list:  # [(name, values)] of the PRESETS for a run w
 
 
 def make_config(**given) -> Config:  # the presets for these flags, then the flags themselves
-    values = {}
-    for _, preset in presets(given):
-        values.update(preset)
+    values = {k: v for _, preset in presets(given) for k, v in preset.items()}
     return Config(**{**values, **given})
 
 
@@ -305,9 +303,7 @@ def train(cfg: Config, run, output_dir: str, threaded=None, ctx: Dist = Dist()):
                     getattr(model, "reshard", lambda: None)()
                 problem = nonfinite(batch)  # the non-finite guard, decided by all ranks together
                 if any_rank(problem is not None, device) and torch.distributed.is_initialized():
-                    problems = [None] * ctx.world
-                    torch.distributed.all_gather_object(problems, problem)
-                    problem = "; ".join(f"rank {r}: {p}" for r, p in enumerate(problems) if p)
+                    problem = "; ".join(f"rank {r}: {p}" for r, p in enumerate(gather_objects(problem)) if p)
             # 3. the PPO update: --ppo-epochs x --minibatches clipped steps of the policy and the critic
             with t.timer.span("update", "trainer"):
                 update_start = time.time()
@@ -349,8 +345,7 @@ def train(cfg: Config, run, output_dir: str, threaded=None, ctx: Dist = Dist()):
 
 
 def make_batch(t: "Training", i: int, stop: threading.Event) -> Rollout:
-    """The producer's work for batch i (in the sampler thread when the loop overlaps): sample and reward completions,
-    choose the rows of the loss, score them with the reference."""
+    """The producer's work for batch i, in the sampler thread when the loop overlaps."""
     cfg, run = t.cfg, t.run
     version = t.sync.pull()
     batch = sample_and_reward(t, i, version, stop)
@@ -365,8 +360,7 @@ def make_batch(t: "Training", i: int, stop: threading.Event) -> Rollout:
 
 
 def sample_and_reward(t: "Training", i: int, version: int, stop: threading.Event) -> Rollout:
-    """A round of sampling: the next --batch-size / --samples-per-prompt prompts, each a group of completions (this
-    rank's rows), and their rewards."""
+    """A round of sampling: the next prompts, a group of completions each (this rank's rows), and their rewards."""
     cfg, run = t.cfg, t.run
     with t.timer.span("generate", "sampler"):
         t0 = time.perf_counter()
@@ -425,16 +419,14 @@ def dynamic_sampling(batch: Rollout, sample_round, cfg: Config, pad_id: int, gro
     world = len(signal[0]) // per_rank
     order = [(k, int(g)) for want in (True, False) for k, flags in enumerate(signal)
              for g in (flags == want).nonzero()[:, 0]][:wanted]  # signal first, then flat ones: (round, group)
-    rank = torch.distributed.get_rank(group) if group is not None else 0
+    rank = torch.distributed.get_rank(group) if torch.distributed.is_initialized() else 0
     pool = concat_rollouts(rounds, pad_id)  # this rank's rows, round after round
     mine = [(k, g) for k, g in order if g // per_rank == rank]  # the chosen groups sampled here
     rows = [(k * per_rank + g % per_rank) * n + j for k, g in mine for j in range(n)]
-    parts = gather_objects((mine, take_rows(pool, rows, "cpu")), group)  # every rank's chosen groups
-    where = {key: (part, i) for keys, part in parts for i, key in enumerate(keys)}
+    parts = gather_objects((mine, take_rows(pool, rows, "cpu")), group)  # every rank's chosen groups, on the host
+    chosen, keys = concat_rollouts([part for _, part in parts], pad_id), [key for keys, _ in parts for key in keys]
     share = order[rank * wanted // world:(rank + 1) * wanted // world]  # this rank's slice, in the global order
-    picked = [take_rows(where[key][0], list(range(where[key][1] * n, where[key][1] * n + n)), batch.response.device)
-              for key in share]
-    out = concat_rollouts(picked, pad_id)
+    out = take_rows(chosen, [keys.index(key) * n + j for key in share for j in range(n)], batch.response.device)
     out.gen_s, out.sampler_rng, out.prompts_drawn = sum(r.gen_s for r in rounds), pool.sampler_rng, pool.prompts_drawn
     sampled = sum(len(flags) for flags in signal)
     out.row_stats = {"sampling_rounds": len(rounds), "filtered_frac": 1 - sum(int(f.sum()) for f in signal) / sampled}
@@ -575,10 +567,7 @@ class Actor(nn.Module):
 
     def __init__(self, policy, temperature: float, full_logits=False, vocab=None):
         super().__init__()
-        self.policy = policy
-        self.temperature = temperature
-        self.full_logits = full_logits
-        self.vocab = vocab
+        self.policy, self.temperature, self.full_logits, self.vocab = policy, temperature, full_logits, vocab
 
     def forward(self, input_ids, attention_mask, position_ids, response, response_mask, kept_ids=None, layout=None):
         return sequence_logprobs(self.policy, input_ids, attention_mask, position_ids, response, response_mask,
@@ -620,7 +609,7 @@ def critic_values(critic, batch: Rollout, inputs=None):  # (B, T): V(state befor
 
 
 def reward_scores(batch: Rollout, reward_fn, cfg: Config):  # the reward: a model's, a function's, an environment's
-    batch.raw_scores = reward_fn(batch)  # (B,)
+    batch.raw_scores = batch.token_rewards.sum(-1) if reward_fn is None else reward_fn(batch)  # (B,) None: --env's
     batch.scores = batch.raw_scores - cfg.missing_eos_penalty * (~batch.ended).float()  # N+: penalise runs without EOS
 
 
@@ -897,12 +886,10 @@ def value_loss(values, old_values, returns, mask, clip_range, share: Share = Sha
     """Clipped value loss (OpenAI baselines, N+): V moves at most clip_range from the rollout's; the worse error counts:
         L = 0.5 * mean_t max((V_t - R_t)^2, (old_V_t + clip(V_t - old_V_t, -c, c) - R_t)^2), the mean as --loss-agg."""
     clipped = old_values + torch.clamp(values - old_values, -clip_range, clip_range)
-    squared = torch.maximum((values - returns) ** 2, (clipped - returns) ** 2)
-    loss = 0.5 * aggregate(squared, mask, share)
-    with torch.no_grad():
-        clipped_worse = ((values - returns) ** 2 < (clipped - returns) ** 2).to(values.dtype)
-        stats = {"vf_clipfrac": masked_mean(clipped_worse, mask, share.tokens)}
-    return loss, stats
+    unclipped_error, clipped_error = (values - returns) ** 2, (clipped - returns) ** 2
+    loss = 0.5 * aggregate(torch.maximum(unclipped_error, clipped_error), mask, share)
+    clipped_worse = (unclipped_error < clipped_error).to(values.dtype)  # (a comparison: no gradient to keep)
+    return loss, {"vf_clipfrac": masked_mean(clipped_worse, mask, share.tokens)}
 
 
 def explained_variance(values, returns, mask):  # 1 - Var[R - V] / Var[R]: 1 = the critic predicts R, 0 = their mean
@@ -1043,7 +1030,7 @@ class Run:
     policy: nn.Module  # the trained policy, fp32
     reference: nn.Module  # Actor over a frozen copy of the policy
     critic: nn.Module  # ScalarHeadModel, or None for an estimator without one
-    reward_fn: object  # Rollout -> (B,) scores
+    reward_fn: object  # Rollout -> (B,) scores; None: --env's, each episode's return (reward_scores)
     prompt_texts: list  # the training prompts, as the reward sees them
     prompt_ids: list  # and as token ids (format_prompts)
     stop_ids: list  # every id that ends a completion
@@ -1076,7 +1063,7 @@ def setup(cfg: Config, ctx: Dist = Dist()) -> Run:
     if context and longest + cfg.response_length > context:
         raise SystemExit(f"the longest prompt ({longest} tokens) plus --response-length {cfg.response_length} exceeds "
                          f"the model's context of {context} tokens; lower --max-prompt-length or --response-length")
-    reward_model, same_tokenizer = None, False
+    reward_model, same_tokenizer, reward_fn = None, False, None
     if cfg.reward_model:
         reward_model, rm_tokenizer = load_reward_model(cfg.reward_model, device, dtype)
         same_tokenizer = same_vocabulary(rm_tokenizer, tokenizer)
@@ -1084,10 +1071,10 @@ def setup(cfg: Config, ctx: Dist = Dist()) -> Run:
         reward_fn = functools.partial(reward_model_scores, reward_model, rm_tokenizer, tokenizer,
                                       use_chat_template=cfg.chat_template, micro_batch_size=rows)
     elif cfg.env:  # the environment's rewards: the episode's return
-        reward_fn = episode_return
+        reward_fn = None  # (reward_scores: each episode's return)
     elif rule is not None:
         reward_fn = functools.partial(rule_scores, rule)
-    else:
+    elif not cfg.bench_rollout:  # (which samples only)
         raise SystemExit("no reward: pass --reward module:function, --reward-model DIR, --env, or a --task with one")
     if task.warmup is not None:  # e.g. supervised steps, so that PPO starts from a policy that is sometimes right
         if ctx.rank > 0:  # rank 0 warms up first (and may fill a cache); the other ranks then
@@ -1115,8 +1102,7 @@ def setup(cfg: Config, ctx: Dist = Dist()) -> Run:
         rows = max(r for r in range(1, fits + 1) if cfg.batch_size // cfg.minibatches // ctx.world % r == 0)
         fall_back(f"--micro-batch-tokens off: {unpackable}; padded micro-batches of {rows} rows instead "
                   f"(--micro-batch-size {rows})")
-        cfg.micro_batch_tokens = 0
-        cfg.micro_batch_size = rows
+        cfg.micro_batch_tokens, cfg.micro_batch_size = 0, rows
     print(f"policy {sum(p.numel() for p in policy.parameters()) / 1e6:.2f}M parameters on {device}; {critic_from}")
     return Run(tokenizer, policy, Actor(reference, cfg.temperature, cfg.full_logits, vocab), critic, reward_fn,
                prompt_texts, prompt_ids, stop_ids, vocab, load_env(cfg.env) if cfg.env else None, task)
@@ -1416,10 +1402,6 @@ def with_facts(fn, *args, **facts):  # fn(*args, **the facts it names), all of t
     return fn(*args, **facts)
 
 
-def episode_return(batch: Rollout):  # --env: the score is the sum of the episode's rewards, each on its turn's token
-    return batch.token_rewards.sum(-1)
-
-
 def rule_scores(rule, batch: Rollout):
     """(B,) a reward function's scores, checked. It gets prompts and completions and, where it names them (or takes
     **kwargs), completion_ids (the stop token excluded) and ended (it emitted a stop token). Per completion it returns
@@ -1434,9 +1416,8 @@ def rule_scores(rule, batch: Rollout):
         raise SystemExit(f"the reward function raised {type(e).__name__}: {e}")
     if len(scores) != len(batch.completions):
         raise SystemExit(f"the reward function returned {len(scores)} scores for {len(batch.completions)} completions")
-    per_token = [isinstance(score, (list, tuple)) for score in scores]  # (a tensor or a number: one score)
     token_rewards = torch.zeros(batch.response.shape, dtype=torch.float32)  # (B, T)
-    for r in [r for r, listed in enumerate(per_token) if listed]:
+    for r in [r for r, score in enumerate(scores) if isinstance(score, (list, tuple))]:  # (a tensor, a number: one)
         if len(scores[r]) != lengths[r]:
             raise SystemExit(f"the reward function returned {len(scores[r])} rewards for completion {r}, which has "
                              f"{lengths[r]} tokens (completion_ids): give one per token, or one score")
@@ -1514,7 +1495,8 @@ def run_episodes(decoder, envs, texts, seeds, tokenizer, cfg: Config, pool=None,
     if isinstance(decoder, StaticDecoder) and columns > decoder.max_len:  # (a reset() longer than every prompt)
         if resize is None:
             fall_back(f"--env: first observations of up to {columns - 2 * T} tokens and a budget of {T} need {columns} "
-                      f"columns, more than the static cache's {decoder.max_len}: this batch samples with the plain loop")
+                      f"columns, more than the static cache's {decoder.max_len}: this batch samples with the plain "
+                      "loop")
         decoder = PlainDecoder(decoder.model) if resize is None else resize(columns)
     chat = cfg.chat_template and getattr(tokenizer, "chat_template", None) is not None
     rows = [Episode(list(p)) for p in prompts]
@@ -1854,13 +1836,13 @@ def start_training(cfg: Config, run, output_dir: str, threaded, ctx: Dist) -> Tr
     t = Training(cfg, run, ctx, output_dir, actor, critic, (policy_opt, critic_opt), schedules, sync,
                  evaluator if evaluator is not None else policy, rank_rows,
                  torch.Generator(device).manual_seed(cfg.seed + 1_000_003 * ctx.rank),
-                 torch.Generator().manual_seed(cfg.seed + 1), threaded)
+                 torch.Generator().manual_seed(cfg.seed + 1), threaded, decoder=sampler, timer=Timer())
     if cfg.resume:
         state = load_checkpoint(cfg.resume, actor, critic, t.optimizers, schedules, ctx)
         t.start = state["step"]
         t.first_accuracy = state["first_accuracy"]
         t.elapsed = state["time_s"]
-        t.prompts_drawn = state["prompts_drawn"]
+        t.prompts_drawn = state.get("prompts_drawn", t.start * (cfg.batch_size // cfg.samples_per_prompt))
         t.last_checkpoint = cfg.resume
         t.sample_generator.set_state(state["sampler_rng"])
         t.shuffle_generator.set_state(state["shuffle_rng"])
@@ -1880,12 +1862,10 @@ def start_training(cfg: Config, run, output_dir: str, threaded, ctx: Dist) -> Tr
     if torch.distributed.is_initialized():  # (a thread's collectives on the trainer's group could interleave)
         t.sampler_group = torch.distributed.new_group(backend="gloo")
     t.logger = Logger(cfg, output_dir, enabled=ctx.rank == 0)
-    t.timer = Timer()
     t.order = prompt_order(len(run.prompt_ids), cfg.seed, start=t.prompts_drawn)
-    t.decoder = sampler
-    if run.env is not None:  # a tool call mostly waits: as many threads as rows
-        t.pool = concurrent.futures.ThreadPoolExecutor(  # (each on the run's device: an environment's tensors go there)
-            rank_rows.stop - rank_rows.start, "ppo_tokens-env", **on_device(device))
+    if run.env is not None:  # a tool call mostly waits: as many threads as rows, each on the run's device, not cuda:0
+        on_device = {"initializer": torch.cuda.set_device, "initargs": (device,)} if device.type == "cuda" else {}
+        t.pool = concurrent.futures.ThreadPoolExecutor(rank_rows.stop - rank_rows.start, "ppo_tokens-env", **on_device)
     if cfg.static_cache:  # (--env: a turn's prefill is up to T columns longer for rows that have used fewer)
         static_decoder(t, max(map(len, run.prompt_ids)) + cfg.response_length * (2 if run.env else 1))
     return t
@@ -2141,8 +2121,9 @@ def load_checkpoint(path: str, actor, critic, optimizers, schedules, ctx: Dist =
         raise SystemExit(f"--resume {path}: written by {world} ranks; resume with as many (torchrun "
                          f"--nproc_per_node), not {ctx.world}")
     device = next(actor.parameters()).device
+    drawn = {"prompts_drawn": 0} if f"rank{ctx.rank}.prompts_drawn" in saved else {}  # (older checkpoints: none)
     state = checkpoint_state(actor, critic, optimizers, schedules, ctx, torch.Generator(device).get_state(),
-                             torch.Generator(), step=0, first_accuracy=None, time_s=0.0, prompts_drawn=0)
+                             torch.Generator(), step=0, first_accuracy=None, time_s=0.0, **drawn)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is disabled")  # (a single process loads alone)
         dcp.load(state, checkpoint_id=path)
@@ -2238,12 +2219,8 @@ def all_reduce(t, op="sum"):  # t reduced over all ranks, in place; the identity
     return t
 
 
-def on_device(device) -> dict:  # a thread pool's arguments: its threads on `device` (a new thread is on cuda:0)
-    return {"initializer": torch.cuda.set_device, "initargs": (device,)} if device.type == "cuda" else {}
-
-
 def gather_objects(obj, group=None) -> list:  # every rank's obj, in rank order; [obj] in a single process
-    if group is None:
+    if not torch.distributed.is_initialized():
         return [obj]
     objects = [None] * torch.distributed.get_world_size(group)
     torch.distributed.all_gather_object(objects, obj, group=group)
@@ -2282,8 +2259,7 @@ def bench_overlap(cfg: Config, output_dir: str):
 
 
 def bench_rollout(cfg: Config):
-    """--bench-rollout: our sampler's tokens/s (also sharing each group's prefill, and compiled) vs HF generate,
-    --batch-size rows of --response-length tokens."""
+    """--bench-rollout: our sampler's tokens/s (plain, shared prefill, compiled) vs HF generate, B x T tokens."""
     cfg = dataclasses.replace(cfg, demo_warmup_steps=0)  # speed does not depend on the weights
     run = setup(cfg)  # (which may turn --full-logits on)
     tokenizer, device = run.tokenizer, run.policy.device
