@@ -431,7 +431,7 @@ def test_reward_lands_on_last_real_token_never_on_pad():
     assert (rewards[~mask.bool()] == 0).all()
 
 
-def test_multi_token_rewards_land_on_each_turns_last_policy_token():
+def test_multi_turn_rewards_land_on_each_turns_last_policy_token():
     # a hand-built conversation: turn 1 (columns 0-1), an observation (2-3), turn 2 (4-5), pads (6)
     mask = torch.tensor([[1, 1, 0, 0, 1, 1, 0], [1, 1, 1, 0, 0, 0, 0]])  # row 1: one turn
     turns = torch.zeros(2, 7, dtype=torch.float64)
