@@ -101,7 +101,7 @@ class Config:
     scale_rewards: str = arg("group", "grpo: divide by the std of the 'group', the 'batch', or 'none' (Dr. GRPO)")
     loss_agg: str = arg("auto", "'token-mean', 'seq-mean-token-mean' or 'seq-mean-token-sum-norm'; auto: the "
                                 "--policy-loss's (gspo: seq-mean-token-mean, else token-mean)")
-    drop_flat_groups: bool = arg(True, "groups (--samples-per-prompt >= 2) that all scored the same leave the loss")
+    drop_flat_groups: bool = arg(True, "grpo, rloo: groups that all scored the same (advantages 0) leave the loss")
     mismatch_correction: bool = arg(False, "decoupled-PPO weights on fresh tokens too (sampler drift)")
     gamma: float = arg(1.0, "GAE discount")
     lam: float = arg(0.95, "GAE lambda")
@@ -153,8 +153,9 @@ class Config:
 
 
 # Presets: a run's defaults other than Config's, applied before the user's flags (a flag given is never replaced).
-# --model picks MODEL; else the demo: CRITIC_FREE_DEMO for an --advantage without a critic, then MULTI_TURN_DEMO for
-# --env demo / demo-control. The demo's values were measured on it (shared/DEMO-CALIBRATION.md, README rows 1-3, 21).
+# --model picks MODEL; else the demo's: MULTI_TURN_DEMO for --env demo / demo-control, CRITIC_FREE_DEMO for an
+# --advantage without a critic, GROUPS_DEMO for one over groups. The demo's values were measured on it
+# (shared/DEMO-CALIBRATION.md, README rows 1-3, 21).
 MODEL = {"task": "",  # the model's own prompts and reward (--prompts, --reward / --reward-model / --env)
          "steps": 1000,
          "batch_size": 64,  # with groups: 64 / --samples-per-prompt prompts
@@ -163,29 +164,32 @@ MODEL = {"task": "",  # the model's own prompts and reward (--prompts, --reward 
          "ppo_epochs": 1,  # verl's and OpenRLHF's one pass
          "lr": 1e-6, "critic_lr": 1e-5,  # theirs too: the demo's 5e-4 / 1e-3 would wreck a real model in a few updates
          "bf16": True}  # as TRL: bf16 autocast over fp32 weights (refused on a device without bf16 matmuls)
-CRITIC_FREE_DEMO = {"samples_per_prompt": 8, "batch_size": 512,  # 64 prompts x a group of 8
-                    "steps": 800,  # one pass over smaller steps: more iterations to the same accuracy (README row 2)
-                    "ppo_epochs": 1,  # GRPO's mu = 1
-                    "lr": 3e-4,
-                    "compile_sampler": True}  # 1.6M sampled tokens: the ~90 s compile pays back on a CPU
 MULTI_TURN_DEMO = {"steps": 150,
-                   "response_length": 16,  # 4 tokens a turn, 8 an observation, 2 turns
+                   "response_length": 16,  # 4 tokens a turn, 8 an observation: 12 x --max-turns - 8
                    "temperature": 1.0,  # at 0.7 the end varied 0.78-0.92
                    "kl_coef": 0.1, "clip_range_high": 0.28,  # keep the second tries exploring (without both: seed 2
                    # stalled near 0.80, one hint side lost)
-                   "demo_warmup_steps": 1300,  # its second half teaches the conversation's format
-                   "compile_sampler": False}  # (turns re-prefill: not measured)
-
-
-PRESETS = {"--model": MODEL, "critic-free demo": CRITIC_FREE_DEMO, "multi-turn demo": MULTI_TURN_DEMO}
+                   "demo_warmup_steps": 1300}  # its second half teaches the conversation's format
+CRITIC_FREE_DEMO = {"steps": 800,  # one pass over smaller steps: more iterations to the same accuracy (README row 2)
+                    "ppo_epochs": 1,  # GRPO's mu = 1
+                    "lr": 3e-4}
+GROUPS_DEMO = {"samples_per_prompt": 8, "batch_size": 512}  # 64 prompts x a group of 8
+PRESETS = {"--model": MODEL, "multi-turn demo": MULTI_TURN_DEMO, "critic-free demo": CRITIC_FREE_DEMO,
+           "grouped demo": GROUPS_DEMO}
 
 
 def presets(given: dict) -> list:  # [(name, values)] of the PRESETS for a run with these flags given, as applied
     if given.get("model"):
         return [("--model", MODEL)]
-    critic = ADVANTAGES.get(given.get("advantage", "gae"), ADVANTAGES["gae"]).critic
-    demos = ("critic-free demo",) * (not critic) + ("multi-turn demo",) * (given.get("env") in ("demo", "demo-control"))
-    return [(name, PRESETS[name]) for name in demos]
+    estimator, chosen = ADVANTAGES.get(given.get("advantage", "gae"), ADVANTAGES["gae"]), []
+    if given.get("env") in ("demo", "demo-control"):  # (its response budget grows with --max-turns)
+        turns = given.get("max_turns", 2)
+        chosen.append(("multi-turn demo", {**MULTI_TURN_DEMO, "response_length": 12 * turns - 8}))
+    if not estimator.critic:
+        chosen.append(("critic-free demo", CRITIC_FREE_DEMO))
+    if estimator.groups:
+        chosen.append(("grouped demo", GROUPS_DEMO))
+    return chosen
 
 
 def make_config(**given) -> Config:  # the presets for these flags, then the flags themselves
@@ -359,7 +363,7 @@ def make_batch(t: "Training", i: int, stop: threading.Event) -> Rollout:
     return batch
 
 
-def sample_and_reward(t: "Training", i: int, version: int, stop: threading.Event) -> Rollout:
+def sample_and_reward(t: "Training", i: int, version: int, stop: threading.Event, round_: int = 0) -> Rollout:
     """A round of sampling: the next prompts, a group of completions each (this rank's rows), and their rewards."""
     cfg, run = t.cfg, t.run
     with t.timer.span("generate", "sampler"):
@@ -375,8 +379,9 @@ def sample_and_reward(t: "Training", i: int, version: int, stop: threading.Event
             batch = generate(t.decoder, ids, mask, **args)
             batch.completions = decode_completions(run.tokenizer, batch)
         else:  # an environment per row, seeded by the run, the batch and the prompt: a resume replays it
-            seeds = [cfg.seed * 1_000_003 + i * cfg.batch_size + (t.rank_rows.start + k) // cfg.samples_per_prompt
-                     for k in range(len(rows))]  # (a group's rows: one task)
+            first = cfg.seed * 1_000_003 + (i + round_ * cfg.steps) * cfg.batch_size  # (round_: --dynamic-sampling's)
+            seeds = [first + (t.rank_rows.start + k) // cfg.samples_per_prompt  # (a group's rows: one task)
+                     for k in range(len(rows))]
             try:
                 batch = run_episodes(t.decoder, [run.env() for _ in rows], texts, seeds, run.tokenizer, cfg, t.pool,
                                      functools.partial(static_decoder, t), **args)
@@ -404,8 +409,8 @@ def sample_and_reward(t: "Training", i: int, version: int, stop: threading.Event
 
 def dynamic_sampling(batch: Rollout, sample_round, cfg: Config, pad_id: int, group=None) -> Rollout:
     """DAPO's dynamic sampling (Yu et al. 2025): a batch holds only groups with signal (scores not all equal), and more
-    rounds (sample_round(): the next prompts, sampled and rewarded) refill it, at most --dynamic-sampling of them;
-    flat groups fill what is still missing (choose_loss_tokens drops them). The groups are chosen over every rank's,
+    rounds (sample_round(round_=k): the next prompts, sampled and rewarded) refill it, at most --dynamic-sampling;
+    flat groups fill what is still missing (a group estimator's loss drops them). The groups are chosen over every rank's,
     in one order (round, rank, group), and each rank then takes its slice, as verl's single controller chooses:
     which groups a batch holds does not depend on the world size. group: the producer's process group."""
     n, wanted = cfg.samples_per_prompt, cfg.batch_size // cfg.samples_per_prompt  # groups in a batch, all ranks'
@@ -414,7 +419,7 @@ def dynamic_sampling(batch: Rollout, sample_round, cfg: Config, pad_id: int, gro
         signal.append(torch.cat(gather_objects((~flat_groups(rounds[-1].scores, n)[::n]).cpu(), group)))
         if sum(int(flags.sum()) for flags in signal) >= wanted or len(rounds) > cfg.dynamic_sampling:
             break
-        rounds.append(sample_round())
+        rounds.append(sample_round(round_=len(rounds)))
     per_rank = len(batch.ended) // n  # groups a round on a rank
     world = len(signal[0]) // per_rank
     order = [(k, int(g)) for want in (True, False) for k, flags in enumerate(signal)
@@ -635,7 +640,8 @@ def choose_loss_tokens(batch: Rollout, cfg: Config):
         in the reward (it enters the baselines) or torchrun micro-batches (counts must agree); else the loss's."""
     n = cfg.samples_per_prompt
     flat = flat_groups(batch.scores, n) if n > 1 else torch.zeros_like(batch.ended)  # (B,) groups without signal
-    kept = ~flat if cfg.drop_flat_groups else torch.ones_like(flat)
+    # (only a group estimator's: with a critic or the batch as the baseline a flat group still has advantages)
+    kept = ~flat if cfg.drop_flat_groups and ADVANTAGES[cfg.advantage].groups else torch.ones_like(flat)
     batch.loss_mask = batch.response_mask * kept[:, None]  # (B, T)
     lockstep = torch.distributed.is_initialized() and (cfg.micro_batch_size or cfg.micro_batch_tokens)
     every_row = ADVANTAGES[cfg.advantage].critic or cfg.kl_in == "reward" or lockstep
@@ -2318,8 +2324,9 @@ LOWER_BOUNDS = {"steps": 1, "batch_size": 1, "response_length": 1, "ppo_epochs":
 def parse_config(argv=None) -> Config:
     """The flags given on the command line over the presets they choose (make_config); --resume: over the checkpoint's
     config instead, and a flag that would change the run is refused."""
-    epilog = ("presets, applied before the flags given (a flag given wins): --model's; else the critic-free demo's for "
-              "an --advantage without a critic, the multi-turn demo's for --env demo\n" +
+    epilog = ("presets, applied before the flags given (a flag given wins): --model's; else the multi-turn demo's for "
+              "--env demo, the critic-free demo's for an --advantage without a critic, the grouped demo's for one over "
+              "groups\n" +
               "\n".join(f"  {name}: {as_flags(values)}" for name, values in PRESETS.items()))
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=epilog,
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -2345,7 +2352,11 @@ def parse_config(argv=None) -> Config:
             checkpoint = found[-1]
             names = {f.name for f in dataclasses.fields(Config)}
             with open(os.path.join(checkpoint, "config.json"), encoding="utf-8") as f:
-                saved = {k: v for k, v in json.load(f).items() if k in names}  # a newer flag: its default, as then
+                saved = {k: v for k, v in json.load(f).items() if k in names}
+            if "task" not in saved and saved.get("prompts") and not saved.get("model"):  # written before --task: the
+                saved["demo_warmup_steps"] = 0  # demo model with --prompts was not warmed up then
+            # a flag newer than the checkpoint: its preset's value or its default, as that run had
+            saved = {**{k: v for _, preset in presets(saved) for k, v in preset.items()}, **saved}
             if {"micro_batch_size", "micro_batch_tokens"} & given.keys():  # one of the two: the other off
                 saved.update(micro_batch_size=0, micro_batch_tokens=0)
             before, cfg = dataclasses.asdict(Config(**saved)), Config(**{**saved, **given})
@@ -2367,8 +2378,9 @@ def parse_config(argv=None) -> Config:
     return cfg
 
 
-def as_flags(values: dict) -> str:  # {"kl_coef": 0.1, "task": ""} -> "--kl-coef 0.1, --task ''"
-    return ", ".join(f"--{k.replace('_', '-')} {show(v)}" for k, v in values.items())
+def as_flags(values: dict) -> str:  # {"kl_coef": 0.1, "task": "", "bf16": True} -> "--kl-coef 0.1, --task '', --bf16"
+    return ", ".join(f"--{'' if v else 'no-'}{k.replace('_', '-')}" if isinstance(v, bool) else
+                     f"--{k.replace('_', '-')} {show(v)}" for k, v in values.items())
 
 
 def show(value) -> str:  # a flag's value as the command line takes it

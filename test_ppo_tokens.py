@@ -894,7 +894,7 @@ def test_dynamic_sampling_fills_the_batch_with_groups_that_have_signal_within_it
     scores differ, signal first in the order sampled; at most --dynamic-sampling more rounds, then flat groups fill
     the rest (out of the loss). Rows keep their own tokens, whatever each round's widths; the log says how much."""
     policy = tiny_llama(len(tokenizer), seed=4, dtype=torch.float32)
-    cfg = pt.Config(batch_size=8, samples_per_prompt=2, dynamic_sampling=2, minibatches=1)  # 4 groups of 2 a round
+    cfg = pt.Config(advantage="grpo", batch_size=8, samples_per_prompt=2, dynamic_sampling=2, minibatches=1)
     rounds, calls = [], []
     for k, scores in enumerate(([0, 0, 1, 0, 2, 2, 3, 3], [5, 5, 0, 1, 1, 1, 0, 0], [0, 2, 7, 7, 1, 0, 4, 4])):
         texts = [f"{k}{g}+{g}=" for g in range(4) for _ in range(2)]  # a round's 4 prompts, each a group of 2
@@ -903,8 +903,8 @@ def test_dynamic_sampling_fills_the_batch_with_groups_that_have_signal_within_it
         batch.gen_s, batch.prompts_drawn = 1.0, 4 * (k + 1)
         rounds.append(batch)
 
-    def sample_round():  # the next round, as make_batch's sample_and_reward gives it
-        calls.append(len(calls))
+    def sample_round(round_):  # the next round, as make_batch's sample_and_reward gives it
+        calls.append(round_ - 1)
         return rounds[len(calls)]
 
     out = pt.dynamic_sampling(rounds[0], sample_round, cfg, tokenizer.pad_token_id)
@@ -2366,13 +2366,22 @@ def test_resume_refuses_a_flag_newer_than_the_checkpoint_unless_at_its_default(t
     checkpoint = tmp_path / "run" / "checkpoints" / "step-00000002"
     checkpoint.mkdir(parents=True)
     (checkpoint / ".metadata").write_bytes(b"")
-    old = {k: v for k, v in vars(pt.Config()).items() if k not in ("advantage", "samples_per_prompt", "kl_in")}
+    old = {k: v for k, v in vars(pt.Config()).items() if k not in ("advantage", "samples_per_prompt", "kl_in", "task")}
     (checkpoint / "config.json").write_text(json.dumps(old))  # written before those flags existed
     cfg = pt.parse_config(["--resume", str(checkpoint)])
     assert cfg.advantage == "gae" and cfg.kl_in == "reward" and cfg.resume == str(checkpoint)
     with pytest.raises(SystemExit):
         pt.parse_config(["--resume", str(checkpoint), "--advantage", "grpo", "--samples-per-prompt", "4"])
     assert "--advantage grpo differs from the checkpoint's gae" in capsys.readouterr().err
+    # a --model run's config from before --task: resumed as a --model run (no demo task), the demo model's with
+    # --prompts as then (no warm-up)
+    (checkpoint / "config.json").write_text(json.dumps({**old, "model": "m", "prompts": str(checkpoint / ".metadata"),
+                                                        "reward": "r:f", "lr": 1e-6}))
+    cfg = pt.parse_config(["--resume", str(checkpoint)])
+    assert cfg.task == "" and cfg.model == "m" and cfg.lr == 1e-6
+    (checkpoint / "config.json").write_text(json.dumps({**old, "prompts": str(checkpoint / "config.json")}))
+    cfg = pt.parse_config(["--resume", str(checkpoint)])
+    assert cfg.task == "demo" and cfg.demo_warmup_steps == 0
 
 
 def test_presets_change_defaults_before_the_flags_and_never_replace_a_flag_given(capsys, monkeypatch):
@@ -2381,10 +2390,13 @@ def test_presets_change_defaults_before_the_flags_and_never_replace_a_flag_given
     Config's default (which a sentinel rule would have replaced). The log says what each preset gave."""
     assert pt.parse_config([]) == pt.Config()  # what the fields say is what runs
     grpo = pt.parse_config(["--advantage", "grpo"])
-    assert (grpo.samples_per_prompt, grpo.batch_size, grpo.steps, grpo.ppo_epochs, grpo.lr, grpo.compile_sampler) == \
-        (8, 512, 800, 1, 3e-4, True)
+    assert (grpo.samples_per_prompt, grpo.batch_size, grpo.steps, grpo.ppo_epochs, grpo.lr) == (8, 512, 800, 1, 3e-4)
     assert (grpo.kl_in, grpo.kl_estimator, grpo.temperature, grpo.drop_flat_groups) == ("loss", "k3", 0.7, True)
-    assert "preset critic-free demo: --samples-per-prompt 8, --batch-size 512, --steps 800" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "preset critic-free demo: --steps 800, --ppo-epochs 1, --lr 0.0003\n" in out
+    assert "preset grouped demo: --samples-per-prompt 8, --batch-size 512\n" in out
+    reinforce = pt.make_config(advantage="reinforce++")  # critic-free, but no groups: one completion a prompt
+    assert (reinforce.samples_per_prompt, reinforce.batch_size, reinforce.steps) == (1, 256, 800)
     given = pt.parse_config(["--advantage", "rloo", "--samples-per-prompt", "4", "--steps", "300", "--batch-size", "16",
                              "--ppo-epochs", "2", "--lr", "5e-4", "--no-compile-sampler"])  # Config's defaults, given
     assert (given.steps, given.batch_size, given.ppo_epochs, given.lr) == (300, 16, 2, 5e-4)
@@ -2393,7 +2405,8 @@ def test_presets_change_defaults_before_the_flags_and_never_replace_a_flag_given
     env = pt.parse_config(["--env", "demo"])  # the multi-turn demo: clip-higher and a stronger KL keep it exploring
     assert (env.steps, env.kl_coef, env.clip_range_high, env.demo_warmup_steps, env.temperature) == \
         (150, 0.1, 0.28, 1300, 1.0)
-    assert env.response_length == 16 and not env.compile_sampler
+    assert env.response_length == 16 and pt.make_config(env="demo", max_turns=3).response_length == 28
+    assert pt.make_config(env="demo", advantage="grpo").steps == 800  # the critic-free demo's (its one pass)
     assert pt.parse_config(["--env", "demo", "--kl-coef", "0.02"]).kl_coef == 0.02  # equal to Config's: kept
     assert pt.parse_config(["--env", "demo", "--kl-coef", "0"]).kl_coef == 0.0
     real = pt.make_config(model="m", device="cpu")  # a demo's learning rates would wreck a real model
@@ -2419,7 +2432,7 @@ def test_help_lists_every_config_field():
     for f in pt.dataclasses.fields(pt.Config):
         assert "--" + f.name.replace("_", "-") in out
     assert "PPO ratio clip epsilon" in out
-    assert "(default: 300; --model: 1000; critic-free demo: 800; multi-turn demo: 150)" in " ".join(out.split())
+    assert "(default: 300; --model: 1000; multi-turn demo: 150; critic-free demo: 800)" in " ".join(out.split())
     assert "multi-turn demo: --steps 150, --response-length 16" in out  # the presets, whole
 
 
