@@ -1393,10 +1393,10 @@ def test_critic_free_runs_sample_groups_hold_no_critic_and_resume_to_the_same_we
         "    if calls == int(os.environ.get('KILL_AT', '0')):\n        os.kill(os.getpid(), signal.SIGKILL)\n"
         "    return [c.count('1') / 4 for c in completions]\n")
     args = [a if a != "count_ones:score" else "grouped:score" for a in LOOP]
-    args += ["--advantage", "grpo", "--samples-per-prompt", "4", "--save-every", "1"]
+    args += ["--advantage", "grpo", "--samples-per-prompt", "4", "--save-every", "1", "--dynamic-sampling", "2"]
     out = run_script([*args, "--output-dir", str(tmp_path / "full")], tmp_path)
     assert "no critic (--advantage grpo)" in out and "trainable parameters: " in out
-    killed = run_raw([*args, "--output-dir", str(tmp_path / "part")], tmp_path, KILL_AT="3")  # in iteration 3
+    killed = run_raw([*args, "--output-dir", str(tmp_path / "part")], tmp_path, KILL_AT="3")  # in a later iteration
     assert killed.returncode == -9
     run_script(["--resume", str(tmp_path / "part")], tmp_path)
     full = load_file(tmp_path / "full/policy/model.safetensors")
@@ -1406,6 +1406,7 @@ def test_critic_free_runs_sample_groups_hold_no_critic_and_resume_to_the_same_we
     records = [r for r in read_metrics(tmp_path / "full") if r["step"] > 0]
     assert all("vf_loss" not in r and "explained_variance" not in r for r in records)
     assert all(r["kl_loss"] >= 0 and r["zero_std_groups"] >= 0 for r in records)
+    assert all(r["sampling_rounds"] >= 1 for r in records) and any(r["sampling_rounds"] > 1 for r in records)
 
 
 # ---------------------------------------------------------------------------------------------------------------
