@@ -410,8 +410,8 @@ def sample_and_reward(t: "Training", i: int, version: int, stop: threading.Event
 def dynamic_sampling(batch: Rollout, sample_round, cfg: Config, pad_id: int, group=None) -> Rollout:
     """DAPO's dynamic sampling (Yu et al. 2025): a batch holds only groups with signal (scores not all equal), and more
     rounds (sample_round(round_=k): the next prompts, sampled and rewarded) refill it, at most --dynamic-sampling;
-    flat groups fill what is still missing (a group estimator's loss drops them). The groups are chosen over every rank's,
-    in one order (round, rank, group), and each rank then takes its slice, as verl's single controller chooses:
+    flat groups fill what is still missing (a group estimator's loss drops them). The groups are chosen over every
+    rank's, in one order (round, rank, group), and each rank then takes its slice, as verl's single controller chooses:
     which groups a batch holds does not depend on the world size. group: the producer's process group."""
     n, wanted = cfg.samples_per_prompt, cfg.batch_size // cfg.samples_per_prompt  # groups in a batch, all ranks'
     rounds, signal = [batch], []  # this rank's rounds; each round's signal flags of every rank's groups, in order
