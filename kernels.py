@@ -820,6 +820,21 @@ def fast_decoder(model, batch_size: int, max_len: int, plain, compiled=False, th
     return decoder
 
 
+def gather_shards(params, out):
+    """out (the parameters' numel, flat) <- every FSDP2 parameter whole, as torch.cat([p.full_tensor().reshape(-1)
+    ...]) but in one all-gather, not one per parameter. FSDP2 cuts each parameter along dim 0 as torch.chunk does:
+    ceil(rows / world) rows per rank, fewer or none on the last ranks."""
+    world = torch.distributed.get_world_size()
+    widths = [-(-p.shape[0] // world) * (p.numel() // p.shape[0]) for p in params]  # a rank's share, padded
+    shards = out.new_zeros(sum(widths))
+    for p, piece in zip(params, shards.split(widths)):
+        piece[:p.to_local().numel()].copy_(p.to_local().reshape(-1))
+    gathered = out.new_empty(world, shards.numel())
+    torch.distributed.all_gather_into_tensor(gathered.view(-1), shards)  # (gloo wants a flat output)
+    for p, full, view in zip(params, gathered.split(widths, 1), out.split([p.numel() for p in params])):
+        view.copy_(full.reshape(-1)[:p.numel()])  # the ranks' pieces in order, their padding at the end
+
+
 def pack_sequences(input_ids, attention_mask, prompt_lengths, response_mask):
     """The real tokens of a left-padded batch (input_ids, attention_mask (B, L): prompt + response, each row's real
     tokens contiguous; prompt_lengths (B,); response_mask (B, T)) as one row, sequence after sequence, with position
@@ -873,6 +888,33 @@ def timed(fns: dict, device, reps=5):
             if rep:  # (rep 0: the warm-up)
                 times[name].append(time.perf_counter() - t0)
     return {name: sorted(t)[reps // 2] for name, t in times.items()}
+
+
+@torch.no_grad()
+def bench_sampler(model, ids, mask, sample, plain, max_len: int, group: int, compiled: bool, **hf_args):
+    """ppo_tokens.py --bench-rollout: sample(decoder, ids, mask) (ppo_tokens.generate) with the plain loop and each
+    fast decoder, against HF generate (hf_args: temperature, max_new_tokens, ...); prints tokens/s."""
+    B, T, device = ids.shape[0], hf_args["max_new_tokens"], ids.device
+    eager = fast_decoder(model, B, max_len, plain)
+    decoders = {"plain loop": model, type(eager).__name__: eager}
+    if group > 1 and isinstance(eager, StaticDecoder):  # and with each group's prompt prefilled once
+        shared = fast_decoder(model, B, max_len, plain, group=group)
+        if shared.shared is not None:  # (unless it fell back)
+            decoders["shared prefill"] = shared
+    if compiled and isinstance(eager, StaticDecoder):
+        fast = fast_decoder(model, B, max_len, plain, compiled=True, group=group)
+        if fast.decode is not model:  # (unless it fell back)
+            decoders["compiled"] = fast
+    name = list(decoders)[-1]  # what ppo_tokens.py samples with
+    runs = {"HF generate": functools.partial(model.generate, input_ids=ids, attention_mask=mask, do_sample=True,
+                                             top_k=0, top_p=1.0, min_new_tokens=T, **hf_args),
+            **{row: functools.partial(sample, d, ids, mask) for row, d in decoders.items()}}
+    seconds = timed(runs, device)
+    print(f"\nsampling {B} x {T} tokens after {ids.shape[1]}-token prompts, "
+          f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters in {model.dtype} on {device}:")
+    for row, s in seconds.items():
+        print(f"  {row:<14} {s * 1e3:9.1f} ms  {B * T / s:9.0f} tokens/s  {seconds['HF generate'] / s:5.2f}x")
+    print(f"sampler vs generate: {seconds['HF generate'] / seconds[name]:.2f}x")
 
 
 # ---------------------------------------------------------------------------------------------------- benchmark

@@ -39,7 +39,7 @@ if "ppo_tokens_kernels" not in sys.modules:
 kernels = sys.modules["ppo_tokens_kernels"]
 # the fused log-prob kernels and the fast paths, each checked against its plain path here
 from ppo_tokens_kernels import (StaticDecoder, decoder_kwargs, fall_back, fast_decoder, fused_head_agrees,  # noqa: E402
-                                linear_token_logprobs, pack_sequences, timed, token_budget_bins, token_logprobs,
+                                linear_token_logprobs, pack_sequences, token_budget_bins, token_logprobs,
                                 use_packed_attention)
 
 
@@ -528,10 +528,13 @@ def generate(sampler, prompt_ids, prompt_mask, *, max_new_tokens, temperature, s
                    kept_ids=torch.stack(kept, 1) if kept else None)
 
 
-def decode_completions(tokenizer, batch: Rollout):  # what a reward function reads: the text before EOS
-    lengths = (batch.response_mask.sum(-1) - batch.ended.long()).tolist()  # real tokens minus the EOS
-    completions = [r[:n] for r, n in zip(batch.response.tolist(), lengths)]
-    return tokenizer.batch_decode(completions, skip_special_tokens=True)
+def completion_ids(batch: Rollout) -> list:  # each completion's real tokens less the stop token: what a reward reads
+    lengths = (batch.response_mask.sum(-1) - batch.ended.long()).tolist()
+    return [r[:n] for r, n in zip(batch.response.tolist(), lengths)]
+
+
+def decode_completions(tokenizer, batch: Rollout):  # the text before EOS
+    return tokenizer.batch_decode(completion_ids(batch), skip_special_tokens=True)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1413,21 +1416,19 @@ def rule_scores(rule, batch: Rollout):
     **kwargs), completion_ids (the stop token excluded) and ended (it emitted a stop token). Per completion it returns
     a score, or a list of rewards, one per completion id (a process reward): each lands on its token
     (batch.token_rewards), and the score is their sum."""
-    lengths = (batch.response_mask.sum(-1) - batch.ended.long()).tolist()  # real tokens minus the stop token
-    completion_ids = [r[:n] for r, n in zip(batch.response.tolist(), lengths)]
+    ids = completion_ids(batch)
     try:
-        scores = list(with_facts(rule, batch.prompts, batch.completions, completion_ids=completion_ids,
-                                 ended=batch.ended.tolist()))
+        scores = list(with_facts(rule, batch.prompts, batch.completions, completion_ids=ids, ended=batch.ended.tolist()))
     except Exception as e:
         raise SystemExit(f"the reward function raised {type(e).__name__}: {e}")
     if len(scores) != len(batch.completions):
         raise SystemExit(f"the reward function returned {len(scores)} scores for {len(batch.completions)} completions")
     token_rewards = torch.zeros(batch.response.shape, dtype=torch.float32)  # (B, T)
     for r in [r for r, score in enumerate(scores) if isinstance(score, (list, tuple))]:  # (a tensor, a number: one)
-        if len(scores[r]) != lengths[r]:
+        if len(scores[r]) != len(ids[r]):
             raise SystemExit(f"the reward function returned {len(scores[r])} rewards for completion {r}, which has "
-                             f"{lengths[r]} tokens (completion_ids): give one per token, or one score")
-        token_rewards[r, :lengths[r]] = torch.tensor(scores[r], dtype=torch.float32)
+                             f"{len(ids[r])} tokens (completion_ids): give one per token, or one score")
+        token_rewards[r, :len(ids[r])] = torch.tensor(scores[r], dtype=torch.float32)
         scores[r] = token_rewards[r].sum()
     try:
         scores = torch.tensor([float(s) for s in scores], dtype=torch.float32, device=batch.response.device)
@@ -1623,18 +1624,8 @@ class WeightSync:
         start = time.perf_counter()
         if src is not None:
             dst.copy_(src)
-        else:
-            # FSDP2: every rank's shards in one all-gather, not one per parameter. FSDP2 cuts each parameter along dim
-            # 0 as torch.chunk does: ceil(rows / world) rows per rank, fewer or none on the last ranks.
-            params, world = list(self.policy.parameters()), torch.distributed.get_world_size()
-            widths = [-(-p.shape[0] // world) * (p.numel() // p.shape[0]) for p in params]  # a rank's share, padded
-            shards = dst.new_zeros(sum(widths))
-            for p, piece in zip(params, shards.split(widths)):
-                piece[:p.to_local().numel()].copy_(p.to_local().reshape(-1))
-            gathered = dst.new_empty(world, shards.numel())
-            torch.distributed.all_gather_into_tensor(gathered.view(-1), shards)  # (gloo wants a flat output)
-            for p, full, view in zip(params, gathered.split(widths, 1), dst.split([p.numel() for p in params])):
-                view.copy_(full.reshape(-1)[:p.numel()])  # the ranks' pieces in order, their padding at the end
+        else:  # FSDP2: torch.cat([p.full_tensor().reshape(-1) for p in params]), in one collective (kernels.py)
+            kernels.gather_shards(list(self.policy.parameters()), dst)
         if self.cuda:  # done before the lock is released, so the other thread's next copy (its stream) comes after it
             torch.cuda.current_stream().synchronize()
         self.seconds[name] = time.perf_counter() - start
@@ -1905,14 +1896,9 @@ def concat_rollouts(parts: list, pad_id: int) -> Rollout:
     for f in dataclasses.fields(Rollout):
         values = [getattr(part, f.name) for part in parts]
         if f.type is torch.Tensor and values[0] is not None:
-            width = max(v.shape[1] if v.dim() > 1 else 0 for v in values)
             fill = pad_id if f.name in ("prompt_ids", "response") else -1 if f.name == "kept_ids" else 0
-            padded = []
-            for v in values:  # (F.pad's pairs run from the last dimension back: the columns' pair last)
-                extra = width - v.shape[1] if v.dim() > 1 else 0
-                columns = (extra, 0) if f.name.startswith("prompt") else (0, extra)
-                padded.append(nn.functional.pad(v, (0, 0) * (v.dim() - 2) + columns, value=fill) if extra else v)
-            fields[f.name] = torch.cat(padded)
+            fields[f.name] = torch.cat(values) if values[0].dim() == 1 else nn.utils.rnn.pad_sequence(
+                [row for v in values for row in v], True, fill, "left" if f.name.startswith("prompt") else "right")
         elif isinstance(values[0], list):
             fields[f.name] = [x for v in values for x in v]
         elif f.name == "episodes" and values[0] is not None:
@@ -2265,40 +2251,16 @@ def bench_overlap(cfg: Config, output_dir: str):
 
 
 def bench_rollout(cfg: Config):
-    """--bench-rollout: our sampler's tokens/s (plain, shared prefill, compiled) vs HF generate, B x T tokens."""
-    cfg = dataclasses.replace(cfg, demo_warmup_steps=0)  # speed does not depend on the weights
-    run = setup(cfg)  # (which may turn --full-logits on)
-    tokenizer, device = run.tokenizer, run.policy.device
-    B, T, n = cfg.batch_size, cfg.response_length, cfg.samples_per_prompt
-    sampler = sampler_copy(run.policy)  # sized and sampled as train() does: rows in groups of n with one prompt
-    ids, mask = left_pad([run.prompt_ids[i // n % len(run.prompt_ids)] for i in range(B)], tokenizer.pad_token_id,
-                         device)
-    max_len = max(map(len, run.prompt_ids)) + T
-    eager = fast_decoder(sampler, B, max_len, PlainDecoder)
-    decoders = {"plain loop": sampler, type(eager).__name__: eager}
-    if n > 1 and isinstance(eager, StaticDecoder):  # and with each group's prompt prefilled once
-        shared = fast_decoder(sampler, B, max_len, PlainDecoder, group=n)
-        if shared.shared is not None:  # (unless it fell back)
-            decoders["shared prefill"] = shared
-    if cfg.compile_sampler and isinstance(eager, StaticDecoder):
-        compiled = fast_decoder(sampler, B, max_len, PlainDecoder, compiled=True, group=n)
-        if compiled.decode is not sampler:  # (unless it fell back)
-            decoders["compiled"] = compiled
-    name = list(decoders)[-1]  # what train() samples with
-    args = sampling_args(cfg, tokenizer.pad_token_id, [], run.vocab)  # no stop id: --response-length tokens each
-    args["generator"] = torch.Generator(device)  # one for all runs: a run samples T tokens whatever they are
-    runs = {"HF generate": functools.partial(sampler.generate, input_ids=ids, attention_mask=mask, do_sample=True,
-                                             top_k=0, top_p=1.0, temperature=cfg.temperature, max_new_tokens=T,
-                                             min_new_tokens=T, pad_token_id=tokenizer.pad_token_id,
-                                             eos_token_id=tokenizer.eos_token_id),
-            **{row: functools.partial(generate, d, ids, mask, **args) for row, d in decoders.items()}}
-    with torch.no_grad():
-        seconds = timed(runs, device)
-    print(f"\nsampling {B} x {T} tokens after {ids.shape[1]}-token prompts, "
-          f"{sum(p.numel() for p in sampler.parameters()) / 1e6:.1f}M parameters in {sampler.dtype} on {device}:")
-    for row, s in seconds.items():
-        print(f"  {row:<14} {s * 1e3:9.1f} ms  {B * T / s:9.0f} tokens/s  {seconds['HF generate'] / s:5.2f}x")
-    print(f"sampler vs generate: {seconds['HF generate'] / seconds[name]:.2f}x")
+    """--bench-rollout: our sampler's tokens/s (plain, static cache, shared prefill, compiled) vs HF generate."""
+    run = setup(dataclasses.replace(cfg, demo_warmup_steps=0))  # speed does not depend on the weights
+    B, n, pad = cfg.batch_size, cfg.samples_per_prompt, run.tokenizer.pad_token_id
+    # sized and sampled as train() does: rows in groups of n with one prompt; no stop id: --response-length tokens each
+    ids, mask = left_pad([run.prompt_ids[i // n % len(run.prompt_ids)] for i in range(B)], pad, run.policy.device)
+    args = dict(sampling_args(cfg, pad, [], run.vocab), generator=torch.Generator(run.policy.device))
+    kernels.bench_sampler(sampler_copy(run.policy), ids, mask, functools.partial(generate, **args), PlainDecoder,
+                          max(map(len, run.prompt_ids)) + cfg.response_length, n, cfg.compile_sampler,
+                          temperature=cfg.temperature, max_new_tokens=cfg.response_length, pad_token_id=pad,
+                          eos_token_id=run.tokenizer.eos_token_id)
 
 
 # ----------------------------------------------------------------------------------------------------------------
