@@ -1418,7 +1418,8 @@ def rule_scores(rule, batch: Rollout):
     (batch.token_rewards), and the score is their sum."""
     ids = completion_ids(batch)
     try:
-        scores = list(with_facts(rule, batch.prompts, batch.completions, completion_ids=ids, ended=batch.ended.tolist()))
+        scores = list(with_facts(rule, batch.prompts, batch.completions, completion_ids=ids,
+                                 ended=batch.ended.tolist()))
     except Exception as e:
         raise SystemExit(f"the reward function raised {type(e).__name__}: {e}")
     if len(scores) != len(batch.completions):
