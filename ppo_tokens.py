@@ -617,7 +617,7 @@ def critic_values(critic, batch: Rollout, inputs=None):  # (B, T): V(state befor
 
 
 def reward_scores(batch: Rollout, reward_fn, cfg: Config):  # the reward: a model's, a function's, an environment's
-    batch.raw_scores = batch.token_rewards.sum(-1) if reward_fn is None else reward_fn(batch)  # (B,) None: --env's
+    batch.raw_scores = reward_fn(batch)  # (B,)
     batch.scores = batch.raw_scores - cfg.missing_eos_penalty * (~batch.ended).float()  # N+: penalise runs without EOS
 
 
@@ -1039,7 +1039,7 @@ class Run:
     policy: nn.Module  # the trained policy, fp32
     reference: nn.Module  # Actor over a frozen copy of the policy
     critic: nn.Module  # ScalarHeadModel, or None for an estimator without one
-    reward_fn: object  # Rollout -> (B,) scores; None: --env's, each episode's return (reward_scores)
+    reward_fn: object  # Rollout -> (B,) scores: reward_model_scores, rule_scores or --env's episode_return
     prompt_texts: list  # the training prompts, as the reward sees them
     prompt_ids: list  # and as token ids (format_prompts)
     stop_ids: list  # every id that ends a completion
@@ -1079,8 +1079,8 @@ def setup(cfg: Config, ctx: Dist = Dist()) -> Run:
         rows = cfg.micro_batch_size or cfg.batch_size // cfg.minibatches // ctx.world
         reward_fn = functools.partial(reward_model_scores, reward_model, rm_tokenizer, tokenizer,
                                       use_chat_template=cfg.chat_template, micro_batch_size=rows)
-    elif cfg.env:  # the environment's rewards: the episode's return
-        reward_fn = None  # (reward_scores: each episode's return)
+    elif cfg.env:  # the environment's rewards
+        reward_fn = episode_return
     elif rule is not None:
         reward_fn = functools.partial(rule_scores, rule)
     elif not cfg.bench_rollout:  # (which samples only)
@@ -1437,6 +1437,10 @@ def rule_scores(rule, batch: Rollout):
         raise SystemExit(f"the reward function must return a list of numbers, or of lists of numbers ({e})")
     batch.token_rewards = token_rewards.to(batch.response.device)  # (zeros: the scores alone)
     return scores
+
+
+def episode_return(batch: Rollout):  # --env's score: the sum of each episode's rewards (run_episodes' token_rewards)
+    return batch.token_rewards.sum(-1)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -1301,7 +1301,7 @@ def write_reward_module(path):
 
 LOOP = ["--batch-size", "16", "--minibatches", "2", "--micro-batch-size", "8", "--steps", "4", "--response-length", "6",
         "--demo-warmup-steps", "0", "--sample-every", "0", "--reward", "count_ones:score", "--lr", "3e-3",
-        "--device", "cpu"]  # the CPU: bit-exact assertions; their CUDA twins add --device cuda
+        "--eval-size", "40", "--device", "cpu"]  # the CPU: bit-exact assertions; their CUDA twins add --device cuda
 
 
 def test_staleness_zero_with_the_thread_equals_the_synchronous_loop(tmp_path, monkeypatch):
