@@ -53,8 +53,9 @@ except ImportError:  # CPU-only installs: the torch path still works
 # directory finds this file first. Imported by that name, this file hands it to the Hub's package (an import returns
 # sys.modules[name] once the module body has run). Without that package it stays: transformers then finds no version
 # of it, and an ImportError here would break that check. (ppo_tokens.py loads this file as `ppo_tokens_kernels`.)
-if __name__ == "kernels":  # (not from a copy of this project either: two would hand the name back and forth)
-    _elsewhere = [p for p in sys.path if not os.path.isfile(os.path.join(p or os.curdir, "ppo_tokens.py"))]
+if __name__ == "kernels":  # the Hub's is a package: skip every folder with a kernels.py (this project, renamed or
+    # copied: two copies would hand the name back and forth)
+    _elsewhere = [p for p in sys.path if not os.path.isfile(os.path.join(p or os.curdir, "kernels.py"))]
     _hub = importlib.machinery.PathFinder.find_spec("kernels", _elsewhere)
     if _hub is not None:
         sys.modules["kernels"] = importlib.util.module_from_spec(_hub)

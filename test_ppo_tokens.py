@@ -2837,6 +2837,10 @@ def test_a_script_in_this_directory_loads_a_model_with_the_hubs_kernels_package(
     run = subprocess.run([sys.executable, "-c", script], cwd=HERE, capture_output=True, text=True, timeout=300,
                          env={**os.environ, "PYTHONPATH": str(copy)})
     assert run.returncode == 0, run.stderr[-3000:]
+    os.rename(copy / "ppo_tokens.py", copy / "my_ppo.py")  # a researcher's renamed copy, run in its own folder
+    (copy / "load.py").write_text(script)
+    run = subprocess.run([sys.executable, "load.py"], cwd=copy, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
 
 # ---------------------------------------------------------------------------------------------------------------
 # CUDA: the GPU-only paths, run when CUDA exists (skipped otherwise). PPO_TOKENS_STRICT=1 (set above, inherited by
