@@ -152,10 +152,8 @@ class Config:
             self.dtype = "bfloat16" if cuda or self.bf16 else "float32"
 
 
-# Presets: a run's defaults other than Config's, applied before the user's flags (a flag given is never replaced).
-# --model picks MODEL; else the demo's: MULTI_TURN_DEMO for --env demo / demo-control, CRITIC_FREE_DEMO for an
-# --advantage without a critic, GROUPS_DEMO for one over groups. The demo's values were measured on it
-# (shared/DEMO-CALIBRATION.md, README rows 1-3, 21).
+# Presets: a run's defaults other than Config's, applied before the user's flags (a flag given is never replaced);
+# presets() chooses them. The demo's values were measured on it (shared/DEMO-CALIBRATION.md, README rows 1-3, 21).
 MODEL = {"task": "",  # the model's own prompts and reward (--prompts, --reward / --reward-model / --env)
          "steps": 1000,
          "batch_size": 64,  # with groups: 64 / --samples-per-prompt prompts
@@ -165,7 +163,7 @@ MODEL = {"task": "",  # the model's own prompts and reward (--prompts, --reward 
          "lr": 1e-6, "critic_lr": 1e-5,  # theirs too: the demo's 5e-4 / 1e-3 would wreck a real model in a few updates
          "bf16": True}  # as TRL: bf16 autocast over fp32 weights (refused on a device without bf16 matmuls)
 MULTI_TURN_DEMO = {"steps": 150,
-                   "response_length": 16,  # 4 tokens a turn, 8 an observation: 12 x --max-turns - 8
+                   "response_length": 16,  # 4 tokens a turn, 8 an observation: 12 x --max-turns - 8 (presets())
                    "temperature": 1.0,  # at 0.7 the end varied 0.78-0.92
                    "kl_coef": 0.1, "clip_range_high": 0.28,  # keep the second tries exploring (without both: seed 2
                    # stalled near 0.80, one hint side lost)
@@ -182,8 +180,8 @@ def presets(given: dict) -> list:  # [(name, values)] of the PRESETS for a run w
     if given.get("model"):
         return [("--model", MODEL)]
     estimator, chosen = ADVANTAGES.get(given.get("advantage", "gae"), ADVANTAGES["gae"]), []
-    if given.get("env") in ("demo", "demo-control"):  # (its response budget grows with --max-turns)
-        turns = given.get("max_turns", 2)
+    if given.get("env") in ENVIRONMENTS:  # (its response budget grows with --max-turns)
+        turns = given.get("max_turns", Config.max_turns)
         chosen.append(("multi-turn demo", {**MULTI_TURN_DEMO, "response_length": 12 * turns - 8}))
     if not estimator.critic:
         chosen.append(("critic-free demo", CRITIC_FREE_DEMO))
@@ -351,11 +349,10 @@ def train(cfg: Config, run, output_dir: str, threaded=None, ctx: Dist = Dist()):
 def make_batch(t: "Training", i: int, stop: threading.Event) -> Rollout:
     """The producer's work for batch i, in the sampler thread when the loop overlaps."""
     cfg, run = t.cfg, t.run
-    version = t.sync.pull()
-    batch = sample_and_reward(t, i, version, stop)
+    sample_round = functools.partial(sample_and_reward, t, i, t.sync.pull(), stop)  # one weight version, every round
+    batch = sample_round()
     if cfg.dynamic_sampling:  # more rounds, until the batch holds groups with signal
-        batch = dynamic_sampling(batch, functools.partial(sample_and_reward, t, i, version, stop), cfg,
-                                 run.tokenizer.pad_token_id, t.sampler_group)
+        batch = dynamic_sampling(batch, sample_round, cfg, run.tokenizer.pad_token_id, t.sampler_group)
     with t.timer.span("score: reference", "sampler"):
         score_frozen(batch, run.reference, cfg)
         if run.policy.device.type == "cuda":
@@ -426,13 +423,14 @@ def dynamic_sampling(batch: Rollout, sample_round, cfg: Config, pad_id: int, gro
              for g in (flags == want).nonzero()[:, 0]][:wanted]  # signal first, then flat ones: (round, group)
     rank = torch.distributed.get_rank(group) if torch.distributed.is_initialized() else 0
     pool = concat_rollouts(rounds, pad_id)  # this rank's rows, round after round
-    mine = [(k, g) for k, g in order if g // per_rank == rank]  # the chosen groups sampled here
-    rows = [(k * per_rank + g % per_rank) * n + j for k, g in mine for j in range(n)]
-    parts = gather_objects((mine, take_rows(pool, rows, "cpu")), group)  # every rank's chosen groups, on the host
-    chosen, keys = concat_rollouts([part for _, part in parts], pad_id), [key for keys, _ in parts for key in keys]
+    keys = sorted(order, key=lambda key: key[1] // per_rank)  # the chosen groups, by the rank that sampled them
+    rows = [(k * per_rank + g % per_rank) * n + j for k, g in keys if g // per_rank == rank for j in range(n)]
+    host = "cpu" if torch.distributed.is_initialized() else pool.response.device  # (gather_objects pickles)
+    chosen = concat_rollouts(gather_objects(take_rows(pool, rows, host), group), pad_id)  # every rank's, in keys' order
     share = order[rank * wanted // world:(rank + 1) * wanted // world]  # this rank's slice, in the global order
     out = take_rows(chosen, [keys.index(key) * n + j for key in share for j in range(n)], batch.response.device)
-    out.gen_s, out.sampler_rng, out.prompts_drawn = sum(r.gen_s for r in rounds), pool.sampler_rng, pool.prompts_drawn
+    last = rounds[-1]  # this rank's sampler state and prompts drawn after the last round: a checkpoint's
+    out.gen_s, out.sampler_rng, out.prompts_drawn = sum(r.gen_s for r in rounds), last.sampler_rng, last.prompts_drawn
     sampled = sum(len(flags) for flags in signal)
     out.row_stats = {"sampling_rounds": len(rounds), "filtered_frac": 1 - sum(int(f.sum()) for f in signal) / sampled}
     return out
@@ -1895,8 +1893,7 @@ def take_rows(batch: Rollout, rows: list, device) -> Rollout:  # batch.rows(rows
 
 
 def concat_rollouts(parts: list, pad_id: int) -> Rollout:
-    """The rows of several batches as one: prompts left-padded to the longest, responses right-padded. The last part's
-    sampler state and prompt count."""
+    """The rows of several batches as one: prompts left-padded to the longest, responses right-padded."""
     fields = {}
     for f in dataclasses.fields(Rollout):
         values = [getattr(part, f.name) for part in parts]
@@ -1908,7 +1905,7 @@ def concat_rollouts(parts: list, pad_id: int) -> Rollout:
             fields[f.name] = [x for v in values for x in v]
         elif f.name == "episodes" and values[0] is not None:
             fields[f.name] = {k: [x for v in values for x in v[k]] for k in values[0]}
-    return Rollout(**fields, sampler_rng=parts[-1].sampler_rng, prompts_drawn=parts[-1].prompts_drawn)
+    return Rollout(**fields)
 
 
 def log_iteration(t: Training, step: int, batch: Rollout, kl, stats: dict, lr: float, update_s: float, sync_ms):
@@ -2322,15 +2319,14 @@ def parse_config(argv=None) -> Config:
                 saved = {k: v for k, v in json.load(f).items() if k in names}
             if "task" not in saved and saved.get("prompts") and not saved.get("model"):  # written before --task: the
                 saved["demo_warmup_steps"] = 0  # demo model with --prompts was not warmed up then
-            # a flag newer than the checkpoint: its preset's value or its default, as that run had
-            saved = {**{k: v for _, preset in presets(saved) for k, v in preset.items()}, **saved}
+            saved = dataclasses.asdict(make_config(**saved))  # a flag newer than the checkpoint: as that run had it
             if {"micro_batch_size", "micro_batch_tokens"} & given.keys():  # one of the two: the other off
                 saved.update(micro_batch_size=0, micro_batch_tokens=0)
-            before, cfg = dataclasses.asdict(Config(**saved)), Config(**{**saved, **given})
-            changed = [k for k in given if k not in RUN_ONLY and getattr(cfg, k) != before[k]]
+            cfg = Config(**{**saved, **given})
+            changed = [k for k in given if k not in RUN_ONLY and getattr(cfg, k) != saved[k]]
             if changed:
                 raise ValueError("--resume: " + ", ".join(f"--{k.replace('_', '-')} {getattr(cfg, k)} differs from "
-                                 f"the checkpoint's {before[k]}" for k in changed) + "; drop the flag or start a new "
+                                 f"the checkpoint's {saved[k]}" for k in changed) + "; drop the flag or start a new "
                                  "run")
             cfg.resume, cfg.output_dir = checkpoint, os.path.dirname(os.path.dirname(checkpoint))
         else:

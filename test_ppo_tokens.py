@@ -2880,13 +2880,13 @@ def test_multi_turn_copies_observations_once_a_turn_and_grows_the_static_cache_t
     to, tensor, transfers = torch.Tensor.to, torch.tensor, []
 
     def spy_to(self, *args, **kwargs):  # ppo_tokens.py sends a host tensor to the run's device
-        if self.device.type == "cpu" and torch.device(device) in [a for a in (*args, *kwargs.values())
-                                                                  if isinstance(a, torch.device)]:
+        if self.device.type == "cpu" and torch.device(device).type in [a.type for a in (*args, *kwargs.values())
+                                                                       if isinstance(a, torch.device)]:
             transfers.append(sys._getframe(1).f_code.co_filename == pt.__file__)
         return to(self, *args, **kwargs)
 
     def spy_tensor(data, *args, **kwargs):  # ppo_tokens.py makes a tensor from host data on the run's device
-        if "device" in kwargs and torch.device(kwargs["device"]) == torch.device(device):
+        if "device" in kwargs and torch.device(kwargs["device"]).type == torch.device(device).type:  # (cuda:0 too)
             transfers.append(sys._getframe(1).f_code.co_filename == pt.__file__)
         return tensor(data, *args, **kwargs)
 
@@ -2904,7 +2904,7 @@ def test_multi_turn_copies_observations_once_a_turn_and_grows_the_static_cache_t
                                     cfg, None, **args, generator=generator)
         assert int(batch.context_mask.sum()) > int(batch.response_mask.sum())  # observations were appended
         counts.append((sum(transfers), len(batch.episodes["rewards"][0])))
-    assert counts[0] == counts[1]  # as many transfers for 12 rows as for 4 (in as many turns)
+    assert counts[0] == counts[1] and counts[0][0] > 0  # as many transfers for 12 rows as for 4 (in as many turns)
 
     (tmp_path / "long_reset.py").write_text(  # the first observation: the question four times
         "import threading, torch\n"
@@ -2962,6 +2962,20 @@ def test_cuda_critic_free_run_with_the_mismatch_correction(tmp_path):  # the bf1
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all(math.isfinite(r[k]) for r in records for k in ("pg_loss", "kl_loss", "grad_norm", "behav_prox_kl"))
     assert all("vf_loss" not in r and r["is_weight_mean"] != 1.0 for r in records)  # fresh tokens weighted too
+
+
+@cuda
+def test_cuda_dynamic_sampling_and_environments_run_in_the_sampler_thread(tmp_path):
+    """The rows dynamic sampling takes and concatenates, and the environments' episodes (their pool threads set the
+    device; a long first observation regrows the static cache), made on the sampler thread's stream and read on the
+    trainer's (record_stream)."""
+    write_reward_module(tmp_path)
+    run_cuda_script([*CUDA_LOOP, "--advantage", "grpo", "--samples-per-prompt", "4", "--dynamic-sampling", "1",
+                     "--max-staleness", "1", "--output-dir", str(tmp_path / "dynamic")], tmp_path)
+    assert all("sampling_rounds" in r for r in read_metrics(tmp_path / "dynamic") if r["step"] > 0)
+    run_cuda_script([*ENV_RUN, "--device", "cuda", "--max-staleness", "1", "--output-dir", str(tmp_path / "env")],
+                    tmp_path)
+    assert all(r["turns_mean"] >= 1 for r in read_metrics(tmp_path / "env") if r["step"] > 0)
 
 
 @cuda
