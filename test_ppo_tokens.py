@@ -1189,6 +1189,26 @@ def test_demo_entry_point_with_a_reward_model_directory(tmp_path, tokenizer):
     assert "eval_accuracy" in read_metrics(tmp_path / "run")[0] and "eval_accuracy" in records[-1]
 
 
+def test_a_users_task_gives_the_prompts_reward_model_and_evaluation_that_no_flag_gives(tmp_path):
+    """--task module:factory: the run takes the task's prompts, reward, model and held-out evaluation, as the demo's
+    (a flag given would win: here none is)."""
+    (tmp_path / "my_task.py").write_text(
+        "import sys\nsys.path.insert(0, %r)\nimport ppo_tokens\n"
+        "def score(prompts, completions):\n    open('seen.txt', 'a').write(''.join(prompts))\n"
+        "    return [float('7' in c) for c in completions]\n"
+        "def sevens(cfg):\n    tokenizer = ppo_tokens.build_demo_tokenizer()\n"
+        "    return ppo_tokens.Task(prompts=['7+7=', '17+7='], reward=score, model=lambda cfg: (tokenizer, "
+        "ppo_tokens.build_demo_policy(tokenizer, cfg.seed, 32, 1)),\n"
+        "                           evaluate=lambda policy, tokenizer, cfg: {'eval_accuracy': 0.25})\n" % HERE)
+    argv = [a for a in LOOP if a not in ("--reward", "count_ones:score")]
+    out = run_script([*argv, "--task", "my_task:sevens", "--steps", "2", "--output-dir", str(tmp_path / "run")],
+                     tmp_path)
+    seen = (tmp_path / "seen.txt").read_text()
+    assert len(seen) == 2 * 8 * (4 + 5) and seen.replace("17+7=", "").replace("7+7=", "") == ""  # its prompts
+    assert "policy 0.01M parameters" in out  # its model (the demo's is 0.60M)
+    assert [r.get("eval_accuracy") for r in read_metrics(tmp_path / "run")] == [0.25, None, 0.25]  # its evaluation
+
+
 def test_model_directory_prompts_file_and_reward_function(tmp_path, tokenizer):
     """--model DIR (with a chat template) + --prompts JSONL + --reward module:function, through the real CLI."""
     import copy
@@ -2469,6 +2489,8 @@ def test_bad_input_is_refused_with_one_clear_line(tmp_path, capsys, monkeypatch,
         return [*base, "--prompts", str(tmp_path / name)]
 
     (tmp_path / "good.jsonl").write_text(json.dumps({"prompt": "1+1"}) + "\n")
+    (tmp_path / "tasks.py").write_text("import ppo_tokens\ndef raises(cfg):\n    raise KeyError('split')\n"
+                                       "def wrong(cfg):\n    return {}\ndef bare(cfg):\n    return ppo_tokens.Task()\n")
     capsys.readouterr()
     cases = [([*with_prompts("good.jsonl"), "--model", str(tmp_path / "nowhere")], 1,
               f"--model {tmp_path / 'nowhere'}: cannot load"),
@@ -2489,7 +2511,10 @@ def test_bad_input_is_refused_with_one_clear_line(tmp_path, capsys, monkeypatch,
              ([*base, "--output-dir", str(tmp_path / "old_run")], 1,
               "already holds a run (metrics.jsonl, checkpoints); continue it with --resume"),
              ([*base, "--resume", "--output-dir", ""], 2, "--resume needs --output-dir DIR"),
-             ([*base, "--resume", str(tmp_path / "nowhere")], 2, "--resume: no whole checkpoint in")]
+             ([*base, "--resume", str(tmp_path / "nowhere")], 2, "--resume: no whole checkpoint in"),
+             ([*base, "--task", "tasks:raises"], 1, "--task 'tasks:raises': its factory raised KeyError: 'split'"),
+             ([*base, "--task", "tasks:wrong"], 1, "the factory returned a dict, not a ppo_tokens.Task"),
+             ([*base, "--task", "tasks:bare"], 1, "no model: pass --model (an HF causal LM), or a --task that builds")]
     if not torch.cuda.is_available():
         cases.append(([*base, "--device", "cuda"], 2, "--device cuda: CUDA is not available here; use --device cpu"))
     for i, (argv, status, message) in enumerate(cases):
