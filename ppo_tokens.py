@@ -23,7 +23,8 @@ README.md gives its numbers with the commands and machines they came from.
 """
 
 import argparse, collections, concurrent.futures, contextlib, copy, dataclasses, functools, gc, hashlib, importlib
-import importlib.util, inspect, itertools, json, math, os, queue, random, shutil, signal, sys, threading, time, warnings
+import importlib.util, inspect, itertools, json, math, os, queue, random, resource, shutil, signal, sys, threading, time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -1061,7 +1062,12 @@ def setup(cfg: Config, ctx: Dist = Dist()) -> Run:
     task = load_task(cfg)  # what a flag does not give, the task does (the demo's: addition_task)
     prompt_texts = load_prompts(cfg.prompts) if cfg.prompts else task.prompts
     rule = load_function(cfg.reward) if cfg.reward else task.reward
+    reward_shape = meta_model(cfg.reward_model, causal=False)
+    if cfg.model:  # before loading any weights: a run that cannot fit stops here
+        plan_memory(cfg, device, ctx.world, meta_model(cfg.model), reward_shape)
     tokenizer, policy, stop_ids, vocab = load_policy(cfg, device, task)
+    if not cfg.model:  # (the task's model, built)
+        plan_memory(cfg, device, ctx.world, policy, reward_shape)
     if not prompt_texts:
         raise SystemExit("no prompts: pass --prompts FILE.jsonl, or a --task that has them")
     prompt_ids = format_prompts(tokenizer, prompt_texts, cfg.chat_template, cfg.max_prompt_length)
@@ -1142,6 +1148,48 @@ def load_policy(cfg: Config, device, task):  # -> (tokenizer, fp32 policy (bf16 
                   "log-probs from its full logits (--full-logits)")
         cfg.full_logits = True
     return tokenizer, policy, stop_ids, vocab
+
+
+def meta_model(path: str, causal=True):  # the model at `path` without its weights (the meta device), or None
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+    try:
+        config = AutoConfig.from_pretrained(path, **({} if causal else {"num_labels": 1})) if path else None
+    except (OSError, ValueError):  # (load_policy and load_reward_model say why)
+        return None
+    with torch.device("meta"):
+        return config and (AutoModelForCausalLM if causal else AutoModelForSequenceClassification).from_config(config)
+
+
+def device_memory(device) -> int:  # bytes: the GPU's, or the host's RAM
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def plan_memory(cfg: Config, device, world: int, policy, reward_model):
+    """One line: the bytes each part of the run holds on this device before activations (README: Memory), against
+    its memory; where they exceed it, a stop, before the big models load, that says what would fit."""
+    if policy is None:
+        return
+    count = lambda model: sum(p.numel() for p in model.parameters()) if model is not None else 0  # noqa: E731
+    n, shards = count(policy), world if cfg.fsdp else 1  # FSDP2 shards what trains
+    n_critic = count(backbone_of(policy)) if ADVANTAGES[cfg.advantage].critic else 0
+    frozen = torch.finfo(getattr(torch, cfg.dtype)).bits // 8  # bytes a parameter of the frozen models
+    trained = {"policy": 4 * n / shards, "policy grads+Adam": 12 * n / shards,  # fp32: 4 + 4 + 8 bytes
+               "critic": 4 * n_critic / shards, "critic grads+Adam": 12 * n_critic / shards}
+    held = {"reference": frozen * n, "reward model": frozen * count(reward_model),
+            "sampler": (2 if device.type == "cuda" else 4) * n}  # (bf16 on GPU)
+    parts, capacity, gib = {**trained, **held}, device_memory(device), 2**30
+    total = sum(parts.values())
+    unit, size = ("GiB", gib) if total >= gib else ("MiB", 2**20)
+    shown = ", ".join(f"{k} {v / size:.2f}" for k, v in parts.items() if v)
+    print(f"memory on {device} before activations, {unit}: {shown} = {total / size:.2f} of {capacity / size:.0f}")
+    if total > capacity:  # FSDP2 over N GPUs: N such that what trains fits beside the frozen parts
+        room = capacity - sum(held.values())
+        gpus = math.ceil(sum(trained.values()) * shards / room) if room > 0 else 0
+        raise SystemExit(f"this run needs ~{total / gib:.0f} GiB on {device} before activations, more than its "
+                         f"{capacity / gib:.0f} GiB: " + (f"shard what trains over {gpus} GPUs (torchrun "
+                         f"--nproc_per_node {gpus} ppo_tokens.py --fsdp ...) or " if gpus else "") + "a smaller model")
 
 
 PAD_TOKEN = "<|ppo_tokens_pad|>"
@@ -1946,7 +1994,8 @@ def log_iteration(t: Training, step: int, batch: Rollout, kl, stats: dict, lr: f
               **busy,
               "trainer_idle_frac": max(0.0, 1.0 - busy["trainer_busy_s"] / iter_s),
               "overlap_frac": max(0.0, busy["trainer_busy_s"] + busy["sampler_busy_s"] - iter_s) / iter_s,  # both busy
-              "weight_sync_ms": sync_ms}
+              "weight_sync_ms": sync_ms,
+              **peak_memory(t.run.policy.device)}
     if t.run.env is not None:  # per episode: its turns, and whether its environment failed
         record["turns_mean"] = sum(map(len, batch.episodes["rewards"])) / B
         record["env_errors"] = sum(e is not None for e in batch.episodes["errors"])
@@ -1958,15 +2007,26 @@ def log_iteration(t: Training, step: int, batch: Rollout, kl, stats: dict, lr: f
     t.history.append(record)
     acc = "".join(f" | {k[5:].replace('accuracy', 'acc')} {v:.3f}" for k, v in scores.items())
     critic = f" | vloss {record['vf_loss']:.4f} | ev {record['explained_variance']:.2f}" if "vf_loss" in record else ""
+    memory = (f"peak {record['peak_memory_gb']:.1f} GB, " if "peak_memory_gb" in record else "") + \
+        f"rss {record['peak_rss_gb']:.1f} GB"
     print(f"it {step:>4}/{cfg.steps} | reward {record['reward_mean']:.3f}{acc} | kl {record['kl']:.4f}"
           f" | ent {record['entropy']:.3f} | clip {record['clipfrac']:.3f}{critic}"
           f" | len {record['response_length']:.1f} | gen {record['gen_tokens_per_s']:.0f} tok/s"
           f" | train {record['train_tokens_per_s']:.0f} tok/s | idle {record['trainer_idle_frac']:.0%}"
-          f" | {record['iter_s']:.2f}s", flush=True)
+          f" | {record['iter_s']:.2f}s | {memory}", flush=True)
     if cfg.sample_every and (step % cfg.sample_every == 0 or step == 1):
         shown = range(0, min(len(batch.prompts), 3 * cfg.samples_per_prompt), cfg.samples_per_prompt)  # one a group
         for p, c, s in ((batch.prompts[r], batch.completions[r], float(batch.scores[r])) for r in shown):
             print(f"    {p!r} -> {c!r}  (score {s:.2f})")
+
+
+def peak_memory(device) -> dict:  # GiB: the device's peak allocation in this iteration (CUDA), the host's peak RSS
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**30 if sys.platform == "darwin" else 2**20)  # (KiB)
+    if device.type != "cuda":
+        return {"peak_rss_gb": rss}
+    peak = torch.cuda.max_memory_allocated(device) / 2**30  # both threads' tensors: trainer and sampler
+    torch.cuda.reset_peak_memory_stats(device)  # so that the next iteration's peak is its own
+    return {"peak_memory_gb": peak, "peak_rss_gb": rss}
 
 
 def save_training(t: Training, step: int, batch: Rollout):
@@ -2172,7 +2232,8 @@ def nonfinite(batch: Rollout):  # the first float field of a scored batch with a
 # the loss are global means already, global_masked_means; the few other token means average the ranks').
 SUMMED_METRICS = ("response_tokens", "tokens_dropped", "gen_tokens_per_s", "train_tokens_per_s", "tokens_per_s",
                   "zero_std_groups", "env_errors")
-MAXED_METRICS = ("staleness_max", "is_weight_max", "behav_prox_max_diff", "first_ratio_max_dev")
+MAXED_METRICS = ("staleness_max", "is_weight_max", "behav_prox_max_diff", "first_ratio_max_dev", "peak_memory_gb",
+                 "peak_rss_gb")
 
 
 def reduce_record(record: dict, world: int) -> dict:  # the logged scalars over all ranks, as declared above

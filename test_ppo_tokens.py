@@ -1129,6 +1129,7 @@ def check_outputs(output_dir, steps, tokenizer_check=None):
     for key in ("reward_mean", "kl", "entropy", "clipfrac", "response_tokens", "iter_s", "time_s",
                 "gen_tokens_per_s", "train_tokens_per_s", "vf_loss", "explained_variance", "approx_kl"):
         assert all(isinstance(r[key], (int, float)) and math.isfinite(r[key]) for r in records), key
+    assert all(0 < r["peak_rss_gb"] < 64 for r in records) and "peak_memory_gb" not in records[0]  # (CPU: the host's)
     assert all(r["first_ratio_max_dev"] == 0.0 for r in records)
     policy = AutoModelForCausalLM.from_pretrained(os.path.join(output_dir, "policy"))
     tok = AutoTokenizer.from_pretrained(os.path.join(output_dir, "policy"))
@@ -1207,6 +1208,47 @@ def test_a_users_task_gives_the_prompts_reward_model_and_evaluation_that_no_flag
     assert len(seen) == 2 * 8 * (4 + 5) and seen.replace("17+7=", "").replace("7+7=", "") == ""  # its prompts
     assert "policy 0.01M parameters" in out  # its model (the demo's is 0.60M)
     assert [r.get("eval_accuracy") for r in read_metrics(tmp_path / "run")] == [0.25, None, 0.25]  # its evaluation
+
+
+def test_memory_line_counts_each_part_and_a_run_that_cannot_fit_stops_before_loading(tmp_path, tokenizer, capsys,
+                                                                                      monkeypatch):
+    """At start, one line: each part's bytes before activations (fp32 policy and critic with their gradients and
+    Adam, the frozen reference and reward model, the sampler) against the device's memory. A --model run that exceeds
+    it stops before any weights load, naming the GPUs that --fsdp would need."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+    model = tiny_llama(len(tokenizer), dtype=torch.float32)
+    n, n_backbone = (sum(p.numel() for p in m.parameters()) for m in (model, model.model))
+    model.save_pretrained(tmp_path / "policy_in")
+    tokenizer.save_pretrained(tmp_path / "policy_in")
+    rm = LlamaForSequenceClassification(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1,
+                                                    num_attention_heads=2, intermediate_size=64, num_labels=1))
+    rm.save_pretrained(tmp_path / "rm")
+    tokenizer.save_pretrained(tmp_path / "rm")
+    n_rm = sum(p.numel() for p in rm.parameters())
+    (tmp_path / "p.jsonl").write_text('{"prompt": "1+1="}\n')
+    argv = ["--model", str(tmp_path / "policy_in"), "--reward-model", str(tmp_path / "rm"), "--prompts",
+            str(tmp_path / "p.jsonl"), "--device", "cpu", "--no-bf16"]
+    loaded = []
+    monkeypatch.setattr(pt, "load_policy", lambda *a: loaded.append(a) or sys.exit("loaded"))
+    with pytest.raises(SystemExit, match="loaded"):
+        pt.setup(pt.parse_config(argv))
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("memory on cpu"))
+    parts = {"policy": 4 * n, "policy grads+Adam": 12 * n, "critic": 4 * n_backbone,
+             "critic grads+Adam": 12 * n_backbone, "reference": 4 * n, "reward model": 4 * n_rm,
+             "sampler": 4 * n}  # (fp32 frozen models on a CPU)
+    shown, expected = [f"{k} {v / 2**20:.2f}" for k, v in parts.items()], sum(parts.values()) / 2**20
+    capacity = pt.device_memory(torch.device("cpu")) / 2**20
+    assert line.endswith(f"MiB: {', '.join(shown)} = {expected:.2f} of {capacity:.0f}")
+    monkeypatch.setattr(pt, "device_memory", lambda device: 20 * n)  # a device that cannot hold it
+    loaded.clear()
+    gpus = math.ceil((16 * n + 16 * n_backbone) / (20 * n - 8 * n - 4 * n_rm))  # what trains, over the room left
+    with pytest.raises(SystemExit, match=rf"needs ~0 GiB on cpu before activations, more than its 0 GiB: shard what "
+                                         rf"trains over {gpus} GPUs \(torchrun --nproc_per_node {gpus} ppo_tokens.py"):
+        pt.setup(pt.parse_config(argv))
+    assert not loaded  # stopped before the policy loaded
+    monkeypatch.setattr(pt, "device_memory", lambda device: 8 * n)  # not even the frozen parts fit
+    with pytest.raises(SystemExit, match=r"more than its 0 GiB: a smaller model$"):
+        pt.setup(pt.parse_config(argv))
 
 
 def test_model_directory_prompts_file_and_reward_function(tmp_path, tokenizer):
@@ -2888,6 +2930,7 @@ def cuda_records(output_dir, steps, ratio_tol=1e-3):
     for r in records:
         assert all(math.isfinite(r[k]) for k in ("reward_mean", "kl", "entropy", "pg_loss", "vf_loss", "grad_norm"))
         assert r["first_ratio_max_dev"] <= ratio_tol and r["weight_sync_ms"] >= 0
+        assert 0 < r["peak_memory_gb"] <= torch.cuda.get_device_properties(0).total_memory / 2**30  # this iteration's
         # the bf16 sampler against the fp32 trainer, on the same weights (a stale token differs by the update too)
         assert r["behav_prox_max_diff"] < 0.5 or r["staleness_max"] > 0
     return records
