@@ -119,6 +119,11 @@ class Config:
                                        "less after)")
     full_logits: bool = arg(False, "log-probs from full [tokens, vocab] logits, not the fused lm_head path")
     fsdp: bool = arg(False, "torchrun: shard actor/critic weights, grads, Adam states (FSDP2), not replicate (DDP)")
+    lora_rank: int = arg(0, "LoRA (peft): train rank-r adapters over one frozen base that the policy, the reference "
+                            "(adapters off) and the critic share; 0 = full fine-tuning")
+    lora_alpha: float = arg(32.0, "LoRA: the adapters' scale is alpha / rank")
+    lora_targets: str = arg("all-linear", "LoRA: the linear layers adapted, comma-separated module names; 'all-linear'"
+                                          " = every one of the decoder (not the output head)")
     # the built-in demo (the task at the end of the file)
     demo_warmup_steps: int = arg(1000, "supervised warm-up steps before PPO (0 = none); fixed, past the loss's drop")
     demo_warmup_lr: float = arg(3e-3, "warm-up learning rate (AdamW, betas (0.9, 0.95), 50-step linear warm-up)")
@@ -1045,6 +1050,7 @@ class Run:
     vocab: int  # the sampled ids: < vocab
     env: object  # --env's factory, or None
     task: "Task"  # the task's hooks: warm-up, held-out evaluation
+    lora: object = None  # --lora-rank: the peft model over the policy (its adapters: policy_adapter/)
 
 
 def setup(cfg: Config, ctx: Dist = Dist()) -> Run:
@@ -1101,9 +1107,13 @@ def setup(cfg: Config, ctx: Dist = Dist()) -> Run:
             raise SystemExit(f"--micro-batch-tokens {cfg.micro_batch_tokens} is less than the longest sequence (a "
                              f"{longest}-token prompt + --response-length {cfg.response_length}); raise it")
         unpackable = use_packed_attention(backbone_of(policy), cfg.bf16)  # before the copies, which inherit it
-    reference = cast_parameters(copy.deepcopy(policy), dtype).requires_grad_(False)
-    critic, critic_from = None, f"no critic (--advantage {cfg.advantage})"
-    if ADVANTAGES[cfg.advantage].critic:
+    critic, critic_from, lora = None, f"no critic (--advantage {cfg.advantage})", None
+    if cfg.lora_rank:  # one frozen base under three module trees, each of the trained two with its own adapters
+        lora, reference, critic = lora_models(policy, cfg, dtype if cfg.bf16 else torch.float32)
+        critic_from = "critic: adapters and a zero-initialised head over the policy's base" if critic else critic_from
+    else:
+        reference = cast_parameters(copy.deepcopy(policy), dtype).requires_grad_(False)
+    if ADVANTAGES[cfg.advantage].critic and not cfg.lora_rank:
         critic = build_critic(policy, reward_model, same_tokenizer)
         critic_from = f"critic from {'the reward model' if same_tokenizer else 'the policy, zero-initialised head'}"
         if cfg.micro_batch_tokens and not unpackable:  # (a critic from the reward model: its own attention)
@@ -1118,7 +1128,7 @@ def setup(cfg: Config, ctx: Dist = Dist()) -> Run:
         cfg.micro_batch_tokens, cfg.micro_batch_size = 0, rows
     print(f"policy {sum(p.numel() for p in policy.parameters()) / 1e6:.2f}M parameters on {device}; {critic_from}")
     return Run(tokenizer, policy, Actor(reference, cfg.temperature, cfg.full_logits, vocab), critic, reward_fn,
-               prompt_texts, prompt_ids, stop_ids, vocab, load_env(cfg.env) if cfg.env else None, task)
+               prompt_texts, prompt_ids, stop_ids, vocab, load_env(cfg.env) if cfg.env else None, task, lora)
 
 
 def load_policy(cfg: Config, device, task):  # -> (tokenizer, fp32 policy (bf16 Adam steps round away), stop ids, vocab)
@@ -1171,25 +1181,38 @@ def plan_memory(cfg: Config, device, world: int, policy, reward_model):
     its memory; where they exceed it, a stop, before the big models load, that says what would fit."""
     if policy is None:
         return
-    count = lambda model: sum(p.numel() for p in model.parameters()) if model is not None else 0  # noqa: E731
-    n, shards = count(policy), world if cfg.fsdp else 1  # FSDP2 shards what trains
-    n_critic = count(backbone_of(policy)) if ADVANTAGES[cfg.advantage].critic else 0
-    frozen = torch.finfo(getattr(torch, cfg.dtype)).bits // 8  # bytes a parameter of the frozen models
-    trained = {"policy": 4 * n / shards, "policy grads+Adam": 12 * n / shards,  # fp32: 4 + 4 + 8 bytes
-               "critic": 4 * n_critic / shards, "critic grads+Adam": 12 * n_critic / shards}
-    held = {"reference": frozen * n, "reward model": frozen * count(reward_model),
-            "sampler": (2 if device.type == "cuda" else 4) * n}  # (bf16 on GPU)
-    parts, capacity, gib = {**trained, **held}, device_memory(device), 2**30
+    parts, capacity, gib = memory_parts(cfg, device, world, policy, reward_model), device_memory(device), 2**30
     total = sum(parts.values())
     unit, size = ("GiB", gib) if total >= gib else ("MiB", 2**20)
     shown = ", ".join(f"{k} {v / size:.2f}" for k, v in parts.items() if v)
     print(f"memory on {device} before activations, {unit}: {shown} = {total / size:.2f} of {capacity / size:.0f}")
-    if total > capacity:  # FSDP2 over N GPUs: N such that what trains fits beside the frozen parts
-        room = capacity - sum(held.values())
-        gpus = math.ceil(sum(trained.values()) * shards / room) if room > 0 else 0
+    if total > capacity:
+        lora = sum(memory_parts(dataclasses.replace(cfg, lora_rank=16), device, world, policy, reward_model).values())
+        held = sum(v for k, v in parts.items() if k in ("reference", "reward model", "sampler"))  # (not sharded)
+        fits = [f"--lora-rank 16 (~{lora / gib:.0f} GiB)"] if not cfg.lora_rank and lora < capacity else []
+        if capacity > held and not cfg.lora_rank:  # FSDP2 over N GPUs: what trains, sharded, beside the frozen parts
+            gpus = math.ceil((total - held) * (world if cfg.fsdp else 1) / (capacity - held))
+            fits.append(f"sharding what trains over {gpus} GPUs (torchrun --nproc_per_node {gpus} ... --fsdp)")
         raise SystemExit(f"this run needs ~{total / gib:.0f} GiB on {device} before activations, more than its "
-                         f"{capacity / gib:.0f} GiB: " + (f"shard what trains over {gpus} GPUs (torchrun "
-                         f"--nproc_per_node {gpus} ppo_tokens.py --fsdp ...) or " if gpus else "") + "a smaller model")
+                         f"{capacity / gib:.0f} GiB: try {' or '.join(fits + ['a smaller model'])}")
+
+
+def memory_parts(cfg: Config, device, world: int, policy, reward_model) -> dict:  # {part: bytes on this device}
+    count = lambda modules: sum(p.numel() for m in modules if m is not None for p in m.parameters())  # noqa: E731
+    n, shards, critic = count([policy]), world if cfg.fsdp else 1, ADVANTAGES[cfg.advantage].critic  # FSDP2: shards
+    frozen = torch.finfo(getattr(torch, cfg.dtype)).bits // 8  # bytes a parameter of the frozen models
+    sampler, reward = (2 if device.type == "cuda" else 4) * n, frozen * count([reward_model])  # (bf16 on GPU)
+    if cfg.lora_rank:  # fp32 adapters (+ gradients, Adam: 16 bytes) of each adapted layer; one shared base
+        names = None if cfg.lora_targets == "all-linear" else cfg.lora_targets.split(",")
+        adapted = [m for name, m in backbone_of(policy).named_modules() if isinstance(m, nn.Linear) and
+                   (names is None or name.rpartition(".")[2] in names)]
+        n_lora = cfg.lora_rank * sum(m.in_features + m.out_features for m in adapted)
+        return {"base": (frozen if cfg.bf16 else 4) * n, "policy adapters+grads+Adam": 16 * n_lora,
+                "critic adapters+grads+Adam": 16 * n_lora * critic, "reward model": reward, "sampler": sampler}
+    n_critic = count([backbone_of(policy)]) * critic
+    return {"policy": 4 * n / shards, "policy grads+Adam": 12 * n / shards,  # fp32: 4 + 4 + 8 bytes
+            "critic": 4 * n_critic / shards, "critic grads+Adam": 12 * n_critic / shards,
+            "reference": frozen * n, "reward model": reward, "sampler": sampler}
 
 
 PAD_TOKEN = "<|ppo_tokens_pad|>"
@@ -1267,9 +1290,53 @@ def build_critic(policy, reward_model=None, same_tokenizer=False):
     else of the policy's backbone with a zero head: a random head's noise made the demo's accuracy collapse."""
     if reward_model is not None and same_tokenizer:
         return copy.deepcopy(reward_model).to(torch.float32).requires_grad_(True).eval()
-    head = nn.Linear(policy.config.hidden_size, 1, bias=False).to(policy.device, policy.dtype)
+    return ScalarHeadModel(copy.deepcopy(backbone_of(policy)), zero_head(policy)).to(torch.float32).requires_grad_(
+        True).eval()
+
+
+def zero_head(policy):  # the value head, fp32 and 0: V = 0 before the first update
+    head = nn.Linear(policy.config.hidden_size, 1, bias=False, device=policy.device, dtype=torch.float32)
     nn.init.zeros_(head.weight)
-    return ScalarHeadModel(copy.deepcopy(backbone_of(policy)), head).to(torch.float32).requires_grad_(True).eval()
+    return head
+
+
+# LoRA (--lora-rank, through peft): the reference is the base, so it costs nothing; the critic's base is the same
+# tensors too (its own module tree, so no adapter is switched while another thread or a recomputation runs)
+
+
+def lora_models(policy, cfg: Config, dtype):
+    """The policy's weights become the frozen base (`dtype`); -> (the peft model over the policy, whose linear layers
+    now carry trained fp32 adapters; the reference: the base's module tree without them; the critic or None)."""
+    import peft
+    cast_parameters(policy.requires_grad_(False), dtype)
+    reference = shared_copy(policy)
+    critic = None
+    if ADVANTAGES[cfg.advantage].critic:  # its backbone over the same base tensors, adapters of its own
+        critic = ScalarHeadModel(shared_copy(backbone_of(policy)), zero_head(policy)).eval()
+    targets = cfg.lora_targets if cfg.lora_targets == "all-linear" else cfg.lora_targets.split(",")
+    adapters = lambda: peft.LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=0.0,  # noqa: E731
+                                       target_modules=targets)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", ".*is_gradient_checkpointing", FutureWarning)  # (peft asks transformers)
+        try:
+            lora = peft.get_peft_model(policy, adapters())  # in place: the policy's own layers get the adapters
+            if critic is not None:
+                peft.get_peft_model(critic.backbone, adapters())
+        except ValueError as e:  # (no module matched --lora-targets)
+            raise SystemExit(f"--lora-targets {cfg.lora_targets}: {str(e).splitlines()[0]}")
+    return lora, reference, critic
+
+
+def shared_copy(model):  # the module tree again over the same parameters: no weight is copied
+    return copy.deepcopy(model, memo={id(p): p for p in model.parameters()})
+
+
+def merged_weights(policy, reference):  # --lora-rank: the reference's parameters, each weight + its adapter's B A s
+    from peft.tuners.lora import LoraLayer
+    layers = {name: m for name, m in policy.named_modules() if isinstance(m, LoraLayer)}
+    for name, p in reference.named_parameters():
+        layer = layers.get(name.removesuffix(".weight"))
+        yield p if layer is None else p + layer.get_delta_weight(layer.active_adapters[0])
 
 
 def decoder_layers(model):  # the transformer blocks: the longest ModuleList
@@ -1296,8 +1363,8 @@ def autocast(cfg: Config, device):  # --bf16: the trainer's forwards in bf16 aut
 
 
 def make_optimizers(cfg: Config, policy, critic):  # AdamW per model (eps 1e-5: N+), decayed linearly to 0 over --steps
-    optimizers = [torch.optim.AdamW(model.parameters(), lr=lr, eps=cfg.adam_eps, weight_decay=cfg.weight_decay,
-                                    fused=True)  # one kernel for all parameters, CPU and CUDA
+    optimizers = [torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, eps=cfg.adam_eps,
+                                    weight_decay=cfg.weight_decay, fused=True)  # one kernel for all, CPU and CUDA
                   for model, lr in ((policy, cfg.lr), (critic, cfg.critic_lr)) if model is not None]
     schedules = [torch.optim.lr_scheduler.LambdaLR(o, lambda step: max(0.0, 1.0 - step / cfg.steps) if cfg.lr_decay
                                                    else 1.0) for o in optimizers]
@@ -1657,15 +1724,15 @@ class WeightSync:
     """Trainer -> sampler weights through a staging buffer, so the trainer updates on while the sampler still
     generates with the previous version; the lock covers one copy (~1 ms), never a decode."""
 
-    def __init__(self, policy, sampler, sharded=False):
-        self.policy = policy
+    def __init__(self, policy, sampler, sharded=False, merged=None):
+        self.policy, self.merged = policy, merged  # merged: () -> the sampler's weights, one by one (--lora-rank)
         self.sampler_flat = flatten_parameters(sampler)
-        self.trainer_flat = None if sharded else flatten_parameters(policy)
+        self.trainer_flat = None if sharded or merged else flatten_parameters(policy)
         self.staging = self.sampler_flat.clone()
         self.cuda = self.sampler_flat.is_cuda
         self.lock = threading.Condition()
         self.version = 0  # the newest published
-        self.sampler_version = 0  # the one in the sampler's weights
+        self.sampler_version = -1  # the one in the sampler's weights (none yet: the first pull copies)
         self.seconds = {"publish": 0.0, "pull": 0.0}  # each copy's last duration (fixed keys: two threads write it)
 
     @torch.no_grad()
@@ -1675,6 +1742,11 @@ class WeightSync:
         start = time.perf_counter()
         if src is not None:
             dst.copy_(src)
+        elif self.merged is not None:  # each base weight + its adapter's, straight into its slice of dst
+            offset = 0
+            for w in self.merged():
+                dst[offset:offset + w.numel()].copy_(w.reshape(-1))
+                offset += w.numel()
         else:  # FSDP2: torch.cat([p.full_tensor().reshape(-1) for p in params]), in one collective (kernels.py)
             kernels.gather_shards(list(self.policy.parameters()), dst)
         if self.cuda:  # done before the lock is released, so the other thread's next copy (its stream) comes after it
@@ -1860,11 +1932,13 @@ def start_training(cfg: Config, run, output_dir: str, threaded, ctx: Dist) -> Tr
     """train()'s state: the sampler copy and its weight sync, the trained models and optimizers; with --resume the
     checkpoint's weights, optimizer states, schedules, generators, metrics and run time."""
     policy, device = run.policy, run.policy.device
-    sampler = sampler_copy(policy)
+    base = run.reference.policy if run.lora else None  # --lora-rank: the sampler has the base's tree, merged weights
+    sampler = sampler_copy(policy if base is None else base)
     sharded = cfg.fsdp and torch.distributed.is_initialized()
     # FSDP2: the task evaluates a full copy of its own, not the sampler, which its thread uses and updates
     evaluator = copy.deepcopy(sampler) if sharded and run.task.evaluate is not None and ctx.rank == 0 else None
-    sync = WeightSync(policy, sampler, sharded)  # packs the weights
+    merged = None if base is None else functools.partial(merged_weights, policy, base)
+    sync = WeightSync(policy, sampler, sharded, merged)  # packs the weights
     if evaluator is not None:  # its parameters become views of the published weights, which only this thread writes
         torch.nn.utils.vector_to_parameters(sync.staging, evaluator.parameters())
     trained = [m for m in (policy, run.critic) if m is not None]
@@ -2130,12 +2204,18 @@ def save_policy(t: Training, path: str):
     from torch.distributed.checkpoint import state_dict as dcp_state
     from transformers.utils import logging
     options = dcp_state.StateDictOptions(full_state_dict=True, cpu_offload=True)  # rank 0 receives them, on the CPU
-    state = dcp_state.get_model_state_dict(t.actor, options=options)
+    state = dcp_state.get_model_state_dict(t.actor, options=options) if not t.run.lora else None
     if t.ctx.rank == 0:
         logging.disable_progress_bar()  # no "Writing model shards" bar at every checkpoint
+        model, base = t.run.policy, t.run.reference.policy
+        if t.run.lora:  # the base's tree with merged weights; the adapters alone beside it, for peft
+            with torch.no_grad():
+                state = {k: w.cpu() for (k, _), w in zip(base.named_parameters(), merged_weights(model, base))}
+            model = base
+            t.run.lora.save_pretrained(path + "_adapter")
         # cloned: the trainer's parameters are views into one flat buffer, which safetensors would see as shared memory
-        t.run.policy.save_pretrained(path, state_dict={k.removeprefix("policy."): v.detach().clone()
-                                                       for k, v in state.items()})
+        model.save_pretrained(path, state_dict={k.removeprefix("policy."): v.detach().clone()
+                                                for k, v in state.items()})
         t.run.tokenizer.save_pretrained(path)
 
 
@@ -2144,6 +2224,11 @@ def checkpoints(run_dir: str):  # the whole checkpoints of a run (those with DCP
     names = sorted(os.listdir(root)) if os.path.isdir(root) else []
     return [os.path.join(root, n) for n in names if n.startswith("step-") and
             os.path.isfile(os.path.join(root, n, ".metadata"))]
+
+
+def trained_only():  # what a checkpoint holds of a model: the trained weights (--lora-rank: not the frozen base)
+    from torch.distributed.checkpoint import state_dict as dcp_state
+    return dcp_state.StateDictOptions(ignore_frozen_params=True, strict=False)  # (dcp.load checks every key it holds)
 
 
 def checkpoint_state(actor, critic, optimizers, schedules, ctx: Dist, sampler_rng, shuffle_generator, **loop) -> dict:
@@ -2158,7 +2243,7 @@ def checkpoint_state(actor, critic, optimizers, schedules, ctx: Dist, sampler_rn
     for name, model, optimizer in zip(("actor", "critic"), (actor, critic), optimizers):
         if model is not None:  # (an estimator without a critic: none)
             fresh = not optimizer.state  # no step yet: get_state_dict makes a state (AdamW's step 1), taken back here
-            state[name], state[f"{name}_optimizer"] = dcp_state.get_state_dict(model, optimizer)
+            state[name], state[f"{name}_optimizer"] = dcp_state.get_state_dict(model, optimizer, options=trained_only())
             state[f"{name}_fresh"] = fresh
             if fresh:
                 optimizer.state.clear()
@@ -2184,7 +2269,7 @@ def load_checkpoint(path: str, actor, critic, optimizers, schedules, ctx: Dist =
     for name, model, optimizer in zip(("actor", "critic"), (actor, critic), optimizers):
         if model is not None:
             dcp_state.set_state_dict(model, optimizer, model_state_dict=state[name],
-                                     optim_state_dict=state[f"{name}_optimizer"])
+                                     optim_state_dict=state[f"{name}_optimizer"], options=trained_only())
             if state[f"{name}_fresh"]:  # saved before its first step: it starts at step 1, as the run it continues
                 optimizer.state.clear()
     for schedule, saved in zip(schedules, state["schedules"]):
@@ -2343,7 +2428,7 @@ CHOICES = {"kl_estimator": ("k1", "k2", "k3"), "kl_in": ("reward", "loss"),
 LOWER_BOUNDS = {"steps": 1, "batch_size": 1, "response_length": 1, "ppo_epochs": 1, "minibatches": 1, "eval_every": 1,
                 "samples_per_prompt": 1, "keep_checkpoints": 1, "max_bad_steps": 1, "is_cap": 1, "max_staleness": 0,
                 "clip_range_high": 0, "save_every": 0, "micro_batch_tokens": 0, "max_turns": 1, "env_latency": 0,
-                "dynamic_sampling": 0}
+                "dynamic_sampling": 0, "lora_rank": 0}
 
 
 def parse_config(argv=None) -> Config:
@@ -2441,6 +2526,9 @@ def check_config(cfg: Config):
                (not (cfg.micro_batch_tokens and cfg.micro_batch_size),
                 "give --micro-batch-size (rows) or --micro-batch-tokens (a token budget), not both"),
                (not (cfg.reward and cfg.reward_model), "give either --reward or --reward-model, not both"),
+               (not cfg.lora_rank or importlib.util.find_spec("peft"), "--lora-rank needs peft: pip install peft"),
+               (not (cfg.lora_rank and cfg.fsdp), "--lora-rank with --fsdp is not supported yet (the sampler's merged "
+                "weights need the whole base on each rank): drop --fsdp (torchrun: DDP)"),
                (not (cfg.env and (cfg.reward or cfg.reward_model)),
                 "--env gives the rewards (each step's): drop --reward / --reward-model"),
                (cfg.task or cfg.reward or cfg.reward_model or cfg.env or cfg.bench_rollout,  # (the benchmark: none)

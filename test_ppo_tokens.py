@@ -1213,11 +1213,12 @@ def test_a_users_task_gives_the_prompts_reward_model_and_evaluation_that_no_flag
 def test_memory_line_counts_each_part_and_a_run_that_cannot_fit_stops_before_loading(tmp_path, tokenizer, capsys,
                                                                                       monkeypatch):
     """At start, one line: each part's bytes before activations (fp32 policy and critic with their gradients and
-    Adam, the frozen reference and reward model, the sampler) against the device's memory. A --model run that exceeds
-    it stops before any weights load, naming the GPUs that --fsdp would need."""
+    Adam, the frozen reference and reward model, the sampler; --lora-rank: one base, the adapters) against the
+    device's memory. A --model run that exceeds it stops before any weights load, naming what would fit."""
     from transformers import LlamaConfig, LlamaForSequenceClassification
-    model = tiny_llama(len(tokenizer), dtype=torch.float32)
+    model = tiny_llama(len(tokenizer), dtype=torch.float32, hidden_size=128, intermediate_size=256)
     n, n_backbone = (sum(p.numel() for p in m.parameters()) for m in (model, model.model))
+    n_lora = sum(m.in_features + m.out_features for m in model.model.modules() if isinstance(m, torch.nn.Linear))
     model.save_pretrained(tmp_path / "policy_in")
     tokenizer.save_pretrained(tmp_path / "policy_in")
     rm = LlamaForSequenceClassification(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1,
@@ -1230,25 +1231,79 @@ def test_memory_line_counts_each_part_and_a_run_that_cannot_fit_stops_before_loa
             str(tmp_path / "p.jsonl"), "--device", "cpu", "--no-bf16"]
     loaded = []
     monkeypatch.setattr(pt, "load_policy", lambda *a: loaded.append(a) or sys.exit("loaded"))
-    with pytest.raises(SystemExit, match="loaded"):
-        pt.setup(pt.parse_config(argv))
-    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("memory on cpu"))
-    parts = {"policy": 4 * n, "policy grads+Adam": 12 * n, "critic": 4 * n_backbone,
-             "critic grads+Adam": 12 * n_backbone, "reference": 4 * n, "reward model": 4 * n_rm,
-             "sampler": 4 * n}  # (fp32 frozen models on a CPU)
-    shown, expected = [f"{k} {v / 2**20:.2f}" for k, v in parts.items()], sum(parts.values()) / 2**20
-    capacity = pt.device_memory(torch.device("cpu")) / 2**20
-    assert line.endswith(f"MiB: {', '.join(shown)} = {expected:.2f} of {capacity:.0f}")
-    monkeypatch.setattr(pt, "device_memory", lambda device: 20 * n)  # a device that cannot hold it
+    capacity = pt.device_memory(torch.device("cpu"))
+    full = {"policy": 4 * n, "policy grads+Adam": 12 * n, "critic": 4 * n_backbone,
+            "critic grads+Adam": 12 * n_backbone, "reference": 4 * n, "reward model": 4 * n_rm,
+            "sampler": 4 * n}  # (fp32 frozen models on a CPU)
+    lora = {"base": 4 * n, "policy adapters+grads+Adam": 16 * 4 * n_lora, "critic adapters+grads+Adam": 16 * 4 * n_lora,
+            "reward model": 4 * n_rm, "sampler": 4 * n}  # (rank 4: 4 x (in + out) a linear layer)
+    for flags, parts in (([], full), (["--lora-rank", "4"], lora)):
+        with pytest.raises(SystemExit, match="loaded"):
+            pt.setup(pt.parse_config([*argv, *flags]))
+        line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("memory on cpu"))
+        shown = ", ".join(f"{k} {v / 2**20:.2f}" for k, v in parts.items())
+        assert line.endswith(f"MiB: {shown} = {sum(parts.values()) / 2**20:.2f} of {capacity / 2**20:.0f}")
     loaded.clear()
-    gpus = math.ceil((16 * n + 16 * n_backbone) / (20 * n - 8 * n - 4 * n_rm))  # what trains, over the room left
-    with pytest.raises(SystemExit, match=rf"needs ~0 GiB on cpu before activations, more than its 0 GiB: shard what "
-                                         rf"trains over {gpus} GPUs \(torchrun --nproc_per_node {gpus} ppo_tokens.py"):
+    lora_16, held = sum(lora.values()) + 2 * 16 * 12 * n_lora, 8 * n + 4 * n_rm  # (rank 16: 4 times the adapters)
+    small = (lora_16 + sum(full.values())) // 2  # a device that holds the run with --lora-rank 16, not without
+    monkeypatch.setattr(pt, "device_memory", lambda device: small)
+    gpus = math.ceil((sum(full.values()) - held) / (small - held))  # what trains, sharded over the room left
+    with pytest.raises(SystemExit, match=rf"needs ~0 GiB on cpu before activations, more than its 0 GiB: try "
+                                         rf"--lora-rank 16 \(~0 GiB\) or sharding what trains over {gpus} GPUs "
+                                         rf"\(torchrun --nproc_per_node {gpus} \.\.\. --fsdp\) or a smaller model$"):
         pt.setup(pt.parse_config(argv))
-    assert not loaded  # stopped before the policy loaded
+    assert not loaded and gpus > 1  # stopped before the policy loaded
     monkeypatch.setattr(pt, "device_memory", lambda device: 8 * n)  # not even the frozen parts fit
-    with pytest.raises(SystemExit, match=r"more than its 0 GiB: a smaller model$"):
+    with pytest.raises(SystemExit, match=r"more than its 0 GiB: try a smaller model$"):
         pt.setup(pt.parse_config(argv))
+
+
+@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")  # (peft's from_pretrained)
+def test_lora_trains_only_adapters_and_the_value_head_over_one_base_that_is_the_reference_bit_for_bit(tmp_path,
+                                                                                                      monkeypatch):
+    """--lora-rank: the policy and the critic train fp32 adapters (and the value head) over one frozen base, the same
+    tensors; the reference is that base with no adapter, to the bit; the sampler and policy/ get base + alpha/r B A;
+    policy_adapter/ loads with peft onto the base and gives policy/'s weights."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    write_reward_module(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    cfg = pt.make_config(lora_rank=4, lora_alpha=8.0, demo_hidden=32, demo_layers=1, demo_warmup_steps=0, steps=2,
+                         batch_size=16, minibatches=2, response_length=6, reward="count_ones:score", eval_size=40,
+                         sample_every=0, lr=3e-2, critic_lr=3e-2, device="cpu", demo_cache=str(tmp_path / "cache"))
+    run = pt.setup(cfg)
+    frozen = {n: p.clone() for m in (run.policy, run.critic) for n, p in m.named_parameters() if not p.requires_grad}
+    trained = {n: p.clone() for m in (run.policy, run.critic) for n, p in m.named_parameters() if p.requires_grad}
+    assert all("lora_" in n for n in trained if not n.startswith("head")) and "head.weight" in trained
+    shared = {p.data_ptr() for p in run.reference.policy.parameters()}
+    assert all(p.data_ptr() in shared for p in run.critic.backbone.parameters() if not p.requires_grad)  # one base
+    for out in ("run", "again"):
+        (tmp_path / out).mkdir()
+    pt.train(cfg, run, str(tmp_path / "run"), threaded=False)
+    after = {n: p for m in (run.policy, run.critic) for n, p in m.named_parameters()}
+    assert all(torch.equal(after[n], p) for n, p in frozen.items())  # the base: untouched
+    assert all(not torch.equal(after[n], p) for n, p in trained.items() if "lora_B" in n or n == "head.weight")
+    base = pt.build_demo_policy(run.tokenizer, cfg.seed, 32, 1).eval()  # the same initial weights, built anew
+    batch = demo_rollout(run.tokenizer, base, ["1+2=", "30+45=", "7+7="])
+    reference, _ = pt.rollout_logprobs(run.reference, batch, cfg)
+    policy, _ = pt.rollout_logprobs(run.policy, batch, cfg)
+    assert torch.equal(reference, pt.rollout_logprobs(base, batch, cfg)[0])  # adapters off: the base, to the bit
+    assert not torch.allclose(policy, reference, atol=1e-3)  # (and the adapters do change the policy)
+    merged = dict(base.named_parameters())
+    for name, layer in run.policy.named_modules():
+        if hasattr(layer, "lora_A"):  # W + alpha / r * B A
+            merged[f"{name}.weight"] = layer.base_layer.weight + layer.lora_B["default"].weight @ \
+                layer.lora_A["default"].weight * (8.0 / 4)
+    t = pt.start_training(cfg, run, str(tmp_path / "again"), False, pt.Dist())  # a sampler copy, published to
+    sampler = dict(t.decoder.model.named_parameters())  # (the static decoder's model)
+    t.close()
+    saved = dict(AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "policy").named_parameters())
+    adapted = PeftModel.from_pretrained(pt.build_demo_policy(run.tokenizer, cfg.seed, 32, 1), tmp_path / "run" /
+                                        "policy_adapter").merge_and_unload()
+    for name, weight in merged.items():
+        assert torch.allclose(sampler[name], weight, rtol=0, atol=1e-6), name
+        assert torch.equal(saved[name], sampler[name]), name  # (fp32 on a CPU: the same numbers)
+        assert torch.allclose(dict(adapted.named_parameters())[name], weight, rtol=0, atol=1e-6), name
 
 
 def test_model_directory_prompts_file_and_reward_function(tmp_path, tokenizer):
@@ -2043,19 +2098,22 @@ def run_raw(args, cwd, **env):  # a process of its own, for what only a process 
 
 
 @slow
-def test_resume_after_kill_ends_with_the_same_weights_as_an_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("flags", [[], ["--lora-rank", "4"]], ids=["full", "lora"])
+def test_resume_after_kill_ends_with_the_same_weights_as_an_uninterrupted_run(tmp_path, flags):
     from safetensors.torch import load_file
     write_killer_module(tmp_path)
-    args = [a if a != "count_ones:score" else "killer:score" for a in LOOP] + ["--save-every", "1"]
+    args = [a if a != "count_ones:score" else "killer:score" for a in LOOP] + ["--save-every", "1", *flags]
     run_script([*args, "--output-dir", str(tmp_path / "full")], tmp_path)
     killed = run_raw([*args, "--output-dir", str(tmp_path / "part")], tmp_path, KILL_AT="3")  # in iteration 3
     assert killed.returncode == -9 and [os.path.basename(c) for c in pt.checkpoints(tmp_path / "part")] == \
         ["step-00000001", "step-00000002"]
     out = run_script(["--resume", f"{tmp_path / 'part'}/"], tmp_path)  # the flags come from the checkpoint
     assert "resumed from" in out and "step-00000002 after iteration 2/4" in out
-    full = load_file(tmp_path / "full/policy/model.safetensors")
-    part = load_file(tmp_path / "part/policy/model.safetensors")
-    assert full.keys() == part.keys() and all(torch.equal(full[k], part[k]) for k in full)
+    for saved in ["policy/model.safetensors"] + ["policy_adapter/adapter_model.safetensors"] * bool(flags):
+        full, part = load_file(tmp_path / "full" / saved), load_file(tmp_path / "part" / saved)
+        assert full.keys() == part.keys() and all(torch.equal(full[k], part[k]) for k in full)
+    weights = [k for k in saved_keys(pt.checkpoints(tmp_path / "full")[-1]) if k.split(".")[0] in ("actor", "critic")]
+    assert weights and all("lora_" in k or k == "critic.head.weight" for k in weights) == bool(flags)  # (no base)
     a, b = read_metrics(tmp_path / "full"), read_metrics(tmp_path / "part")
     assert [r["step"] for r in b] == [0, 1, 2, 3, 4]  # each iteration logged once
     for key in ("pg_loss", "vf_loss", "reward_mean", "lr", "kl"):
@@ -3012,8 +3070,9 @@ def test_cuda_native_bf16_reads_the_runs_own_device():
 @cuda
 @pytest.mark.parametrize("flags", [[], ["--max-staleness", "1"], ["--compile-sampler"],
                                    ["--micro-batch-size", "0", "--micro-batch-tokens", "64", "--bf16",
-                                    "--gradient-checkpointing", "--max-staleness", "1"]],
-                         ids=["sync", "staleness1", "compiled", "packed-bf16-checkpointed"])
+                                    "--gradient-checkpointing", "--max-staleness", "1"],
+                                   ["--lora-rank", "4"], ["--lora-rank", "4", "--bf16", "--max-staleness", "1"]],
+                         ids=["sync", "staleness1", "compiled", "packed-bf16-checkpointed", "lora", "lora-bf16"])
 def test_cuda_entry_point_trains(tmp_path, flags):
     write_reward_module(tmp_path)
     out = run_cuda_script([*CUDA_LOOP, *flags, "--output-dir", str(tmp_path / "run")], tmp_path)
