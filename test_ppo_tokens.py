@@ -2226,7 +2226,8 @@ def digest_script(cwd):
         "    digest = hashlib.sha256(t.sync.staging.view(torch.uint8).cpu().numpy().tobytes()).hexdigest()[:16]\n"
         "    digests = [None] * t.ctx.world\n    torch.distributed.all_gather_object(digests, digest)\n"
         "    print('actor weights (sha256) on each rank:', *digests, flush=True)\n"
-        "    if t.sync.trainer_flat is None:  # FSDP2: a publish gathers every parameter's shards in one collective\n"
+        "    if t.sync.trainer_flat is None and t.sync.merged is None:  # FSDP2: a publish gathers every parameter's\n"
+        "        # shards in one collective\n"
         "        from torch.distributed.tensor.debug import CommDebugMode\n"
         "        with CommDebugMode() as comm:\n            t.sync.publish(t.sync.version)\n"
         "        full = torch.cat([p.full_tensor().reshape(-1) for p in t.sync.policy.parameters()])\n"
@@ -2369,7 +2370,9 @@ def test_torchrun_critic_free_ddp_and_fsdp2_train_and_resume(tmp_path):
     base = [digest_script(tmp_path), *LOOP, "--steps", "3", "--save-every", "2", "--samples-per-prompt", "4"]
     # with micro-batches every row is scored and updated (the ranks' micro-batch counts agree); without, the dropped
     # flat groups skip their forwards, so the ranks' row counts differ
-    for name, more in (("rloo", ["--micro-batch-size", "2"]), ("grpo", ["--fsdp", "--micro-batch-size", "2"]),
+    # rloo: also LoRA under DDP (adapters synchronised, the merged weights published and resumed alike on both ranks)
+    for name, more in (("rloo", ["--micro-batch-size", "2", "--lora-rank", "4"]),
+                       ("grpo", ["--fsdp", "--micro-batch-size", "2"]),
                        ("grpo-skip", ["--fsdp", "--micro-batch-size", "0"])):
         out_dir = tmp_path / name
         full = digests(torchrun([*base, "--advantage", name[:4], *more, "--output-dir", str(out_dir)],
