@@ -257,7 +257,7 @@ class Rollout:
     returns: torch.Tensor = None  # (B, T) the critic's targets (estimators with a critic only)
     is_weight: torch.Tensor = None  # (B, T) decoupled-PPO importance weight of each token (exactly 1 when fresh)
     correction: dict = None  # staleness / importance-weight statistics of this batch, for the log
-    first_forward: tuple = None  # scoring's (logprobs, entropy, values) of the first minibatch, graphs kept: its update
+    first_forward: tuple = None  # scoring's (logprobs, entropy) of the first minibatch, graph kept: its update
 
     def rows(self, index):  # the sub-batch of rows `index` (a LongTensor): the tensor fields, each row's
         return Rollout(**{f.name: getattr(self, f.name)[index] if f.type is torch.Tensor and getattr(self, f.name)
@@ -775,8 +775,9 @@ ADVANTAGES = {"gae": Estimator(gae_advantages, critic=True, groups=False, kl_in=
 def score_trainer(batch: Rollout, policy, critic, cfg: Config, row_order=None, version=None):
     """Scoring with the current weights: proximal ("old") log-probs and values in the first epoch's micro-batches
     (row_order), so that its ratio is bit-exactly 1; then rewards, ADVANTAGES and the staleness correction.
-    The first minibatch's forwards, when it is one micro-batch, keep their graphs for its update step (a forward fewer
-    per model; both models' activations held till then). version: the trainer's (None: all fresh). -> per-token KL."""
+    The first minibatch's policy forward, when it is one micro-batch, keeps its graph for its update step (a forward
+    fewer); the critic's does not, so that the two models' activations are never held together (the update reruns
+    it after the policy's backward). version: the trainer's (None: all fresh). -> per-token KL."""
     batch.old_logprobs = batch.behav_logprobs.clone()  # (rows skipped keep the sampler's values; nothing reads them)
     batch.entropy = torch.zeros_like(batch.behav_logprobs)
     batch.values = torch.zeros_like(batch.behav_logprobs, dtype=torch.float32)  # the critic's output is fp32
@@ -787,9 +788,10 @@ def score_trainer(batch: Rollout, policy, critic, cfg: Config, row_order=None, v
         inputs = model_inputs(mb, cfg)  # packed once for both models
         with torch.set_grad_enabled(keep), autocast(cfg, batch.response.device):
             logprobs, entropy = rollout_logprobs(policy, mb, cfg, inputs)
+        with torch.no_grad(), autocast(cfg, batch.response.device):
             values = None if critic is None else critic_values(critic, mb, inputs)
         if keep:
-            batch.first_forward = (logprobs, entropy, values)
+            batch.first_forward = (logprobs, entropy)
         batch.old_logprobs[rows], batch.entropy[rows] = logprobs.detach(), entropy.detach()
         if values is not None:
             batch.values[rows] = values.detach()
@@ -986,10 +988,10 @@ def update_minibatches(batch: Rollout, cfg: Config, row_orders):
 
 def micro_step(policy, critic, mb: Rollout, cfg: Config, share: Share, first=None) -> dict:
     """One micro-batch's forward and backward: policy_objective - entropy bonus (+ kl_coef * KL), and value_loss.
-    first: scoring's (logprobs, entropy, values) of these rows, with their graphs: those forwards are not rerun."""
-    logprobs, entropy, values = first or (None, None, None)  # (with log-probs scoring also kept any critic's values)
+    first: scoring's (logprobs, entropy) of these rows, with their graph: that forward is not rerun."""
+    logprobs, entropy = first or (None, None)
+    inputs = model_inputs(mb, cfg) if first is None or critic is not None else None  # packed once for both models
     if logprobs is None:
-        inputs = model_inputs(mb, cfg)  # packed once for both models
         with autocast(cfg, mb.response.device):
             logprobs, entropy = rollout_logprobs(policy, mb, cfg, inputs)
     pg_loss, pg_stats = policy_objective(logprobs, mb, cfg, share)
@@ -1001,10 +1003,9 @@ def micro_step(policy, critic, mb: Rollout, cfg: Config, share: Share, first=Non
                                      mb.loss_mask, share)
         objective = objective + cfg.kl_coef * stats["kl_loss"]
     objective.backward()
-    if critic is not None:
-        if values is None:
-            with autocast(cfg, mb.response.device):
-                values = critic_values(critic, mb, inputs)
+    if critic is not None:  # after the policy's backward freed its activations
+        with autocast(cfg, mb.response.device):
+            values = critic_values(critic, mb, inputs)
         stats["vf_loss"], vf_stats = value_loss(values, mb.values, mb.returns, mb.loss_mask, cfg.value_clip_range,
                                                 share)
         stats["vf_loss"].backward()
