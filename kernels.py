@@ -492,7 +492,8 @@ def fused_head_agrees(model, vocab=None) -> bool:
         hidden = getattr(model, model.base_model_prefix)(**inputs).last_hidden_state[:, 2:-1]
         fused = linear_token_logprobs(hidden.to(head.weight.dtype), head.weight[:vocab], ids[:, 3:], 1.0)[0]
         full = token_logprobs(model(**inputs).logits[:, 2:-1, :vocab], ids[:, 3:], 1.0)[0]
-    return bool(torch.allclose(fused, full, rtol=1e-4, atol=1e-4))
+    tol = 1e-4 if head.weight.dtype == torch.float32 else 5e-2  # (--lora-rank's bf16 base: logits to ~3 digits)
+    return bool(torch.allclose(fused, full, rtol=tol, atol=tol))
 
 
 @functools.cache

@@ -1110,7 +1110,7 @@ def setup(cfg: Config, ctx: Dist = Dist()) -> Run:
         unpackable = use_packed_attention(backbone_of(policy), cfg.bf16)  # before the copies, which inherit it
     critic, critic_from, lora = None, f"no critic (--advantage {cfg.advantage})", None
     if cfg.lora_rank:  # one frozen base under three module trees, each of the trained two with its own adapters
-        lora, reference, critic = lora_models(policy, cfg, dtype if cfg.bf16 else torch.float32)
+        lora, reference, critic = lora_models(policy, cfg, trained_dtype(cfg))
         critic_from = "critic: adapters and a zero-initialised head over the policy's base" if critic else critic_from
     else:
         reference = cast_parameters(copy.deepcopy(policy), dtype).requires_grad_(False)
@@ -1132,12 +1132,16 @@ def setup(cfg: Config, ctx: Dist = Dist()) -> Run:
                prompt_texts, prompt_ids, stop_ids, vocab, load_env(cfg.env) if cfg.env else None, task, lora)
 
 
+def trained_dtype(cfg: Config):  # the policy's weights: fp32 (bf16 Adam steps round away); --lora-rank: the base's
+    return getattr(torch, cfg.dtype) if cfg.lora_rank and cfg.bf16 else torch.float32
+
+
 def load_policy(cfg: Config, device, task):  # -> (tokenizer, fp32 policy (bf16 Adam steps round away), stop ids, vocab)
     if cfg.model:
         from transformers import AutoModelForCausalLM, AutoTokenizer
         try:
             tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-            policy = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
+            policy = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=trained_dtype(cfg))
         except (OSError, ValueError) as e:
             raise SystemExit(f"--model {cfg.model}: cannot load a causal LM and its tokenizer "
                              f"({str(e).splitlines()[0]})")
@@ -1153,7 +1157,8 @@ def load_policy(cfg: Config, device, task):  # -> (tokenizer, fp32 policy (bf16 
     stop_ids = stop_token_ids(tokenizer, policy)
     vocab = ensure_pad_token(tokenizer, policy, stop_ids)
     disable_dropout(policy)
-    policy.to(device, torch.float32).eval()  # eval: no dropout
+    # eval: no dropout; a task's model in fp32 for its warm-up (--lora-rank: lora_models casts the base after it)
+    policy.to(device, trained_dtype(cfg) if cfg.model else torch.float32).eval()
     if not cfg.full_logits and not fused_head_agrees(policy, vocab):
         fall_back(f"{type(policy).__name__} post-processes its logits (they are not hidden @ lm_head.weight.T): "
                   "log-probs from its full logits (--full-logits)")
@@ -1202,13 +1207,14 @@ def memory_parts(cfg: Config, device, world: int, policy, reward_model) -> dict:
     count = lambda modules: sum(p.numel() for m in modules if m is not None for p in m.parameters())  # noqa: E731
     n, shards, critic = count([policy]), world if cfg.fsdp else 1, ADVANTAGES[cfg.advantage].critic  # FSDP2: shards
     frozen = torch.finfo(getattr(torch, cfg.dtype)).bits // 8  # bytes a parameter of the frozen models
-    sampler, reward = (2 if device.type == "cuda" else 4) * n, frozen * count([reward_model])  # (bf16 on GPU)
+    base = torch.finfo(trained_dtype(cfg)).bits // 8  # (--lora-rank: the base's bytes a parameter; else fp32)
+    sampler, reward = (2 if device.type == "cuda" else base) * n, frozen * count([reward_model])  # (bf16 on GPU)
     if cfg.lora_rank:  # fp32 adapters (+ gradients, Adam: 16 bytes) of each adapted layer; one shared base
         names = None if cfg.lora_targets == "all-linear" else cfg.lora_targets.split(",")
         adapted = [m for name, m in backbone_of(policy).named_modules() if isinstance(m, nn.Linear) and
                    (names is None or name.rpartition(".")[2] in names)]
         n_lora = cfg.lora_rank * sum(m.in_features + m.out_features for m in adapted)
-        return {"base": (frozen if cfg.bf16 else 4) * n, "policy adapters+grads+Adam": 16 * n_lora,
+        return {"base": base * n, "policy adapters+grads+Adam": 16 * n_lora,
                 "critic adapters+grads+Adam": 16 * n_lora * critic, "reward model": reward, "sampler": sampler}
     n_critic = count([backbone_of(policy)]) * critic
     return {"policy": 4 * n / shards, "policy grads+Adam": 12 * n / shards,  # fp32: 4 + 4 + 8 bytes
