@@ -1194,7 +1194,7 @@ def plan_memory(cfg: Config, device, world: int, policy, reward_model):
     print(f"memory on {device} before activations, {unit}: {shown} = {total / size:.2f} of {capacity / size:.0f}")
     if total > capacity:
         lora = sum(memory_parts(dataclasses.replace(cfg, lora_rank=16), device, world, policy, reward_model).values())
-        held = sum(v for k, v in parts.items() if k in ("reference", "reward model", "sampler"))  # (not sharded)
+        held = sum(v for k, v in parts.items() if k in ("reference", "reward model", "sampler+staging"))  # (whole)
         fits = [f"--lora-rank 16 (~{lora / gib:.0f} GiB)"] if not cfg.lora_rank and lora < capacity else []
         if capacity > held and not cfg.lora_rank:  # FSDP2 over N GPUs: what trains, sharded, beside the frozen parts
             gpus = math.ceil((total - held) * (world if cfg.fsdp else 1) / (capacity - held))
@@ -1208,18 +1208,19 @@ def memory_parts(cfg: Config, device, world: int, policy, reward_model) -> dict:
     n, shards, critic = count([policy]), world if cfg.fsdp else 1, ADVANTAGES[cfg.advantage].critic  # FSDP2: shards
     frozen = torch.finfo(getattr(torch, cfg.dtype)).bits // 8  # bytes a parameter of the frozen models
     base = torch.finfo(trained_dtype(cfg)).bits // 8  # (--lora-rank: the base's bytes a parameter; else fp32)
-    sampler, reward = (2 if device.type == "cuda" else base) * n, frozen * count([reward_model])  # (bf16 on GPU)
+    sampler = 2 * (2 if device.type == "cuda" else base) * n  # its weights and WeightSync's staging copy (GPU: bf16)
+    reward = frozen * count([reward_model])
     if cfg.lora_rank:  # fp32 adapters (+ gradients, Adam: 16 bytes) of each adapted layer; one shared base
         names = None if cfg.lora_targets == "all-linear" else cfg.lora_targets.split(",")
         adapted = [m for name, m in backbone_of(policy).named_modules() if isinstance(m, nn.Linear) and
                    (names is None or name.rpartition(".")[2] in names)]
         n_lora = cfg.lora_rank * sum(m.in_features + m.out_features for m in adapted)
         return {"base": base * n, "policy adapters+grads+Adam": 16 * n_lora,
-                "critic adapters+grads+Adam": 16 * n_lora * critic, "reward model": reward, "sampler": sampler}
+                "critic adapters+grads+Adam": 16 * n_lora * critic, "reward model": reward, "sampler+staging": sampler}
     n_critic = count([backbone_of(policy)]) * critic
     return {"policy": 4 * n / shards, "policy grads+Adam": 12 * n / shards,  # fp32: 4 + 4 + 8 bytes
             "critic": 4 * n_critic / shards, "critic grads+Adam": 12 * n_critic / shards,
-            "reference": frozen * n, "reward model": reward, "sampler": sampler}
+            "reference": frozen * n, "reward model": reward, "sampler+staging": sampler}
 
 
 PAD_TOKEN = "<|ppo_tokens_pad|>"

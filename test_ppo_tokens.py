@@ -1235,9 +1235,9 @@ def test_memory_line_counts_each_part_and_a_run_that_cannot_fit_stops_before_loa
     capacity = pt.device_memory(torch.device("cpu"))
     full = {"policy": 4 * n, "policy grads+Adam": 12 * n, "critic": 4 * n_backbone,
             "critic grads+Adam": 12 * n_backbone, "reference": 4 * n, "reward model": 4 * n_rm,
-            "sampler": 4 * n}  # (fp32 frozen models on a CPU)
+            "sampler+staging": 8 * n}  # (fp32 frozen models on a CPU)
     lora = {"base": 4 * n, "policy adapters+grads+Adam": 16 * 4 * n_lora, "critic adapters+grads+Adam": 16 * 4 * n_lora,
-            "reward model": 4 * n_rm, "sampler": 4 * n}  # (rank 4: 4 x (in + out) a linear layer)
+            "reward model": 4 * n_rm, "sampler+staging": 8 * n}  # (rank 4: 4 x (in + out) a linear layer)
     for flags, parts in (([], full), (["--lora-rank", "4"], lora)):
         with pytest.raises(SystemExit, match="loaded"):
             pt.setup(pt.parse_config([*argv, *flags]))
@@ -1245,7 +1245,7 @@ def test_memory_line_counts_each_part_and_a_run_that_cannot_fit_stops_before_loa
         shown = ", ".join(f"{k} {v / 2**20:.2f}" for k, v in parts.items())
         assert line.endswith(f"MiB: {shown} = {sum(parts.values()) / 2**20:.2f} of {capacity / 2**20:.0f}")
     loaded.clear()
-    lora_16, held = sum(lora.values()) + 2 * 16 * 12 * n_lora, 8 * n + 4 * n_rm  # (rank 16: 4 times the adapters)
+    lora_16, held = sum(lora.values()) + 2 * 16 * 12 * n_lora, 12 * n + 4 * n_rm  # (rank 16: 4 times the adapters)
     small = (lora_16 + sum(full.values())) // 2  # a device that holds the run with --lora-rank 16, not without
     monkeypatch.setattr(pt, "device_memory", lambda device: small)
     gpus = math.ceil((sum(full.values()) - held) / (small - held))  # what trains, sharded over the room left
@@ -1254,7 +1254,7 @@ def test_memory_line_counts_each_part_and_a_run_that_cannot_fit_stops_before_loa
                                          rf"\(torchrun --nproc_per_node {gpus} \.\.\. --fsdp\) or a smaller model$"):
         pt.setup(pt.parse_config(argv))
     assert not loaded and gpus > 1  # stopped before the policy loaded
-    monkeypatch.setattr(pt, "device_memory", lambda device: 8 * n)  # not even the frozen parts fit
+    monkeypatch.setattr(pt, "device_memory", lambda device: 12 * n)  # not even the frozen parts fit
     with pytest.raises(SystemExit, match=r"more than its 0 GiB: try a smaller model$"):
         pt.setup(pt.parse_config(argv))
 
