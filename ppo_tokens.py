@@ -990,7 +990,7 @@ def micro_step(policy, critic, mb: Rollout, cfg: Config, share: Share, first=Non
     """One micro-batch's forward and backward: policy_objective - entropy bonus (+ kl_coef * KL), and value_loss.
     first: scoring's (logprobs, entropy) of these rows, with their graph: that forward is not rerun."""
     logprobs, entropy = first or (None, None)
-    inputs = model_inputs(mb, cfg) if first is None or critic is not None else None  # packed once for both models
+    inputs = None if first and critic is None else model_inputs(mb, cfg)  # packed once for both models
     if logprobs is None:
         with autocast(cfg, mb.response.device):
             logprobs, entropy = rollout_logprobs(policy, mb, cfg, inputs)
@@ -1114,9 +1114,9 @@ def setup(cfg: Config, ctx: Dist = Dist()) -> Run:
         critic_from = "critic: adapters and a zero-initialised head over the policy's base" if critic else critic_from
     else:
         reference = cast_parameters(copy.deepcopy(policy), dtype).requires_grad_(False)
-    if ADVANTAGES[cfg.advantage].critic and not cfg.lora_rank:
-        critic = build_critic(policy, reward_model, same_tokenizer)
-        critic_from = f"critic from {'the reward model' if same_tokenizer else 'the policy, zero-initialised head'}"
+        if ADVANTAGES[cfg.advantage].critic:
+            critic = build_critic(policy, reward_model, same_tokenizer)
+            critic_from = f"critic from {'the reward model' if same_tokenizer else 'the policy, zero-initialised head'}"
         if cfg.micro_batch_tokens and not unpackable:  # (a critic from the reward model: its own attention)
             unpackable = use_packed_attention(critic.backbone, cfg.bf16)
     if cfg.micro_batch_tokens and any_rank(bool(unpackable), device):  # all pack or none: DDP pairs micro-batches
@@ -1170,10 +1170,11 @@ def meta_model(path: str, causal=True):  # the model at `path` without its weigh
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
     try:
         config = AutoConfig.from_pretrained(path, **({} if causal else {"num_labels": 1})) if path else None
-    except (OSError, ValueError):  # (load_policy and load_reward_model say why)
+        with torch.device("meta"):
+            return config and (AutoModelForCausalLM if causal else AutoModelForSequenceClassification).from_config(
+                config)
+    except Exception:  # (load_policy and load_reward_model say why, if it does not load)
         return None
-    with torch.device("meta"):
-        return config and (AutoModelForCausalLM if causal else AutoModelForSequenceClassification).from_config(config)
 
 
 def device_memory(device) -> int:  # bytes: the GPU's, or the host's RAM
@@ -1211,7 +1212,7 @@ def memory_parts(cfg: Config, device, world: int, policy, reward_model) -> dict:
     sampler = 2 * (2 if device.type == "cuda" else base) * n  # its weights and WeightSync's staging copy (GPU: bf16)
     reward = frozen * count([reward_model])
     if cfg.lora_rank:  # fp32 adapters (+ gradients, Adam: 16 bytes) of each adapted layer; one shared base
-        names = None if cfg.lora_targets == "all-linear" else cfg.lora_targets.split(",")
+        names = None if cfg.lora_targets == "all-linear" else lora_targets(cfg)
         adapted = [m for name, m in backbone_of(policy).named_modules() if isinstance(m, nn.Linear) and
                    (names is None or name.rpartition(".")[2] in names)]
         n_lora = cfg.lora_rank * sum(m.in_features + m.out_features for m in adapted)
@@ -1317,13 +1318,13 @@ def lora_models(policy, cfg: Config, dtype):
     now carry trained fp32 adapters; the reference: the base's module tree without them; the critic or None)."""
     import peft
     cast_parameters(policy.requires_grad_(False), dtype)
+    policy.get_output_embeddings().float()  # the log-prob head stays fp32, as in full fine-tuning (--bf16's logits)
     reference = shared_copy(policy)
     critic = None
     if ADVANTAGES[cfg.advantage].critic:  # its backbone over the same base tensors, adapters of its own
         critic = ScalarHeadModel(shared_copy(backbone_of(policy)), zero_head(policy)).eval()
-    targets = cfg.lora_targets if cfg.lora_targets == "all-linear" else cfg.lora_targets.split(",")
     adapters = lambda: peft.LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=0.0,  # noqa: E731
-                                       target_modules=targets)
+                                       target_modules=lora_targets(cfg))
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", ".*is_gradient_checkpointing", FutureWarning)  # (peft asks transformers)
         try:
@@ -1332,7 +1333,16 @@ def lora_models(policy, cfg: Config, dtype):
                 peft.get_peft_model(critic.backbone, adapters())
         except ValueError as e:  # (no module matched --lora-targets)
             raise SystemExit(f"--lora-targets {cfg.lora_targets}: {str(e).splitlines()[0]}")
+    adapted = [name for name, m in policy.named_modules() if hasattr(m, "lora_A")]
+    missing = [t for t in lora_targets(cfg) if not any(n == t or n.endswith("." + t) for n in adapted)] \
+        if cfg.lora_targets != "all-linear" else []  # (peft needs one name to match, not each)
+    if missing:
+        raise SystemExit(f"--lora-targets: no linear layer of the model is named {', '.join(missing)}")
     return lora, reference, critic
+
+
+def lora_targets(cfg: Config):  # peft's target_modules: 'all-linear', or the names given
+    return cfg.lora_targets if cfg.lora_targets == "all-linear" else [t.strip() for t in cfg.lora_targets.split(",")]
 
 
 def shared_copy(model):  # the module tree again over the same parameters: no weight is copied
@@ -2220,7 +2230,7 @@ def save_policy(t: Training, path: str):
             with torch.no_grad():
                 state = {k: w.cpu() for (k, _), w in zip(base.named_parameters(), merged_weights(model, base))}
             model = base
-            t.run.lora.save_pretrained(path + "_adapter")
+            t.run.lora.save_pretrained(path + "_adapter", save_embedding_layers=False)  # (the base is frozen)
         # cloned: the trainer's parameters are views into one flat buffer, which safetensors would see as shared memory
         model.save_pretrained(path, state_dict={k.removeprefix("policy."): v.detach().clone()
                                                 for k, v in state.items()})
@@ -2535,6 +2545,8 @@ def check_config(cfg: Config):
                 "give --micro-batch-size (rows) or --micro-batch-tokens (a token budget), not both"),
                (not (cfg.reward and cfg.reward_model), "give either --reward or --reward-model, not both"),
                (not cfg.lora_rank or importlib.util.find_spec("peft"), "--lora-rank needs peft: pip install peft"),
+               (cfg.lora_alpha > 0, f"--lora-alpha must be > 0 (got {cfg.lora_alpha}): the adapters' scale is "
+                "alpha / rank"),
                (not (cfg.lora_rank and cfg.fsdp), "--lora-rank with --fsdp is not supported yet (the sampler's merged "
                 "weights need the whole base on each rank): drop --fsdp (torchrun: DDP)"),
                (not (cfg.env and (cfg.reward or cfg.reward_model)),

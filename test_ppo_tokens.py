@@ -1276,8 +1276,8 @@ def test_lora_trains_only_adapters_and_the_value_head_over_one_base_that_is_the_
     frozen = {n: p.clone() for m in (run.policy, run.critic) for n, p in m.named_parameters() if not p.requires_grad}
     trained = {n: p.clone() for m in (run.policy, run.critic) for n, p in m.named_parameters() if p.requires_grad}
     assert all("lora_" in n for n in trained if not n.startswith("head")) and "head.weight" in trained
-    shared = {p.data_ptr() for p in run.reference.policy.parameters()}
-    assert all(p.data_ptr() in shared for p in run.critic.backbone.parameters() if not p.requires_grad)  # one base
+    shared = {p.data_ptr() for p in run.reference.policy.parameters()}  # one base, three trees
+    assert all(p.data_ptr() in shared for m in (run.policy, run.critic) for p in m.parameters() if not p.requires_grad)
     for out in ("run", "again"):
         (tmp_path / out).mkdir()
     pt.train(cfg, run, str(tmp_path / "run"), threaded=False)
@@ -1358,10 +1358,11 @@ def test_a_tokenizer_without_pad_and_a_reward_model_of_the_same_vocabulary(tmp_p
     assert all(math.isfinite(r["reward_mean"]) for r in records)
 
 
-def bench_workload(directory, seed=0, shape="small"):
+def bench_workload(directory, seed=0, shape="small", prompt_words=32):
     """The CPU speed workload of the README (issue 23): policy/ (a random Llama, hidden 256 x 4 layers, vocab 512),
     rm/ (a LlamaForSequenceClassification of the same vocabulary, so the critic starts from it) and prompts.jsonl
-    (prompts of 32 tokens). Usage: python -c "from test_ppo_tokens import bench_workload; bench_workload('wl')".
+    (prompts of 32 words, a token each, after BOS). Usage: python -c "from test_ppo_tokens import bench_workload;
+    bench_workload('wl')".
     shape="0.5B": the GPU workload, Qwen2.5-0.5B's shape (hidden 896 x 24 layers, 14 / 2 heads, vocab 151,936, tied
     embeddings, attention biases: on o_proj too, unlike Qwen2) as a Llama (AutoTokenizer would give a qwen2 config
     Qwen2Tokenizer), saved in bf16."""
@@ -1389,7 +1390,7 @@ def bench_workload(directory, seed=0, shape="small"):
     g = torch.Generator().manual_seed(seed)
     with open(os.path.join(directory, "prompts.jsonl"), "w") as f:
         for _ in range(256):
-            ids = torch.randint(4, len(words), (32,), generator=g).tolist()
+            ids = torch.randint(4, len(words), (prompt_words,), generator=g).tolist()
             f.write(json.dumps({"prompt": " ".join(words[i] for i in ids)}) + "\n")
 
 
@@ -2618,7 +2619,10 @@ def test_bad_input_is_refused_with_one_clear_line(tmp_path, capsys, monkeypatch,
              ([*base, "--resume", str(tmp_path / "nowhere")], 2, "--resume: no whole checkpoint in"),
              ([*base, "--task", "tasks:raises"], 1, "--task 'tasks:raises': its factory raised KeyError: 'split'"),
              ([*base, "--task", "tasks:wrong"], 1, "the factory returned a dict, not a ppo_tokens.Task"),
-             ([*base, "--task", "tasks:bare"], 1, "no model: pass --model (an HF causal LM), or a --task that builds")]
+             ([*base, "--task", "tasks:bare"], 1, "no model: pass --model (an HF causal LM), or a --task that builds"),
+             ([*base, "--lora-rank", "4", "--lora-targets", "q_proj, nosuch_proj"], 1, "no linear layer of the model is named nosuch_proj"),
+             ([*base, "--lora-rank", "4", "--lora-alpha", "0"], 2, "--lora-alpha must be > 0 (got 0.0)"),
+             ([*base, "--lora-rank", "4", "--fsdp"], 2, "--lora-rank with --fsdp is not supported yet")]
     if not torch.cuda.is_available():
         cases.append(([*base, "--device", "cuda"], 2, "--device cuda: CUDA is not available here; use --device cpu"))
     for i, (argv, status, message) in enumerate(cases):
