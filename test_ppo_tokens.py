@@ -2100,22 +2100,19 @@ def run_raw(args, cwd, **env):  # a process of its own, for what only a process 
 
 
 @slow
-@pytest.mark.parametrize("flags", [[], ["--lora-rank", "4"]], ids=["full", "lora"])
-def test_resume_after_kill_ends_with_the_same_weights_as_an_uninterrupted_run(tmp_path, flags):
+def test_resume_after_kill_ends_with_the_same_weights_as_an_uninterrupted_run(tmp_path):
     from safetensors.torch import load_file
     write_killer_module(tmp_path)
-    args = [a if a != "count_ones:score" else "killer:score" for a in LOOP] + ["--save-every", "1", *flags]
+    args = [a if a != "count_ones:score" else "killer:score" for a in LOOP] + ["--save-every", "1"]
     run_script([*args, "--output-dir", str(tmp_path / "full")], tmp_path)
     killed = run_raw([*args, "--output-dir", str(tmp_path / "part")], tmp_path, KILL_AT="3")  # in iteration 3
     assert killed.returncode == -9 and [os.path.basename(c) for c in pt.checkpoints(tmp_path / "part")] == \
         ["step-00000001", "step-00000002"]
     out = run_script(["--resume", f"{tmp_path / 'part'}/"], tmp_path)  # the flags come from the checkpoint
     assert "resumed from" in out and "step-00000002 after iteration 2/4" in out
-    for saved in ["policy/model.safetensors"] + ["policy_adapter/adapter_model.safetensors"] * bool(flags):
-        full, part = load_file(tmp_path / "full" / saved), load_file(tmp_path / "part" / saved)
-        assert full.keys() == part.keys() and all(torch.equal(full[k], part[k]) for k in full)
-    weights = [k for k in saved_keys(pt.checkpoints(tmp_path / "full")[-1]) if k.split(".")[0] in ("actor", "critic")]
-    assert weights and all("lora_" in k or k == "critic.head.weight" for k in weights) == bool(flags)  # (no base)
+    full = load_file(tmp_path / "full/policy/model.safetensors")
+    part = load_file(tmp_path / "part/policy/model.safetensors")
+    assert full.keys() == part.keys() and all(torch.equal(full[k], part[k]) for k in full)
     a, b = read_metrics(tmp_path / "full"), read_metrics(tmp_path / "part")
     assert [r["step"] for r in b] == [0, 1, 2, 3, 4]  # each iteration logged once
     for key in ("pg_loss", "vf_loss", "reward_mean", "lr", "kl"):
@@ -2379,7 +2376,11 @@ def test_torchrun_critic_free_ddp_and_fsdp2_train_and_resume(tmp_path):
         out_dir = tmp_path / name
         full = digests(torchrun([*base, "--advantage", name[:4], *more, "--output-dir", str(out_dir)],
                                 tmp_path).stdout)
-        assert full[0] == full[1] and not any(k.startswith("critic") for k in saved_keys(pt.checkpoints(out_dir)[-1]))
+        saved = saved_keys(pt.checkpoints(out_dir)[-1])
+        assert full[0] == full[1] and not any(k.startswith("critic") for k in saved)
+        if name == "rloo":  # LoRA: a checkpoint holds the adapters (and their Adam states), not the frozen base
+            actor = [k for k in saved if k.startswith("actor.")]  # (the weights; actor_optimizer: their Adam states)
+            assert actor and all("lora_" in k for k in actor)
         assert sum(r.get("zero_std_groups", 0) for r in read_metrics(out_dir)) > 0  # (flat groups were dropped)
         if name == "rloo":  # (FSDP2's resume: test_torchrun_two_ranks_ddp_and_fsdp2_train_resume_and_stay_identical)
             resumed = torchrun([base[0], "--resume", str(pt.checkpoints(out_dir)[0])], tmp_path).stdout
@@ -2620,7 +2621,8 @@ def test_bad_input_is_refused_with_one_clear_line(tmp_path, capsys, monkeypatch,
              ([*base, "--task", "tasks:raises"], 1, "--task 'tasks:raises': its factory raised KeyError: 'split'"),
              ([*base, "--task", "tasks:wrong"], 1, "the factory returned a dict, not a ppo_tokens.Task"),
              ([*base, "--task", "tasks:bare"], 1, "no model: pass --model (an HF causal LM), or a --task that builds"),
-             ([*base, "--lora-rank", "4", "--lora-targets", "q_proj, nosuch_proj"], 1, "no linear layer of the model is named nosuch_proj"),
+             ([*base, "--lora-rank", "4", "--lora-targets", "q_proj, nosuch_proj"], 1,
+              "no linear layer of the model is named nosuch_proj"),
              ([*base, "--lora-rank", "4", "--lora-alpha", "0"], 2, "--lora-alpha must be > 0 (got 0.0)"),
              ([*base, "--lora-rank", "4", "--fsdp"], 2, "--lora-rank with --fsdp is not supported yet")]
     if not torch.cuda.is_available():
