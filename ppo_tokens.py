@@ -1117,8 +1117,8 @@ def setup(cfg: Config, ctx: Dist = Dist()) -> Run:
         if ADVANTAGES[cfg.advantage].critic:
             critic = build_critic(policy, reward_model, same_tokenizer)
             critic_from = f"critic from {'the reward model' if same_tokenizer else 'the policy, zero-initialised head'}"
-        if cfg.micro_batch_tokens and not unpackable:  # (a critic from the reward model: its own attention)
-            unpackable = use_packed_attention(critic.backbone, cfg.bf16)
+            if cfg.micro_batch_tokens and not unpackable:  # (a critic from the reward model: its own attention)
+                unpackable = use_packed_attention(critic.backbone, cfg.bf16)
     if cfg.micro_batch_tokens and any_rank(bool(unpackable), device):  # all pack or none: DDP pairs micro-batches
         unpackable = unpackable or "another rank's model cannot run packed"
     if unpackable:  # padded micro-batches of as many rows as the token budget holds at the longest padded length

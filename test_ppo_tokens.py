@@ -1761,6 +1761,13 @@ def test_flash_attn_is_imported_to_detect_it_and_packing_is_checked_under_autoca
         kernels.use_ppo_attention(policy.model)  # the real one registered again, for the other tests
 
 
+def test_a_critic_free_run_packs_its_micro_batches(tmp_path):  # (without a critic there is no critic to check)
+    cfg = pt.make_config(advantage="grpo", micro_batch_tokens=64, demo_warmup_steps=0, eval_size=40, device="cpu",
+                         demo_cache=str(tmp_path))
+    run = pt.setup(cfg)
+    assert run.critic is None and (cfg.micro_batch_tokens, cfg.micro_batch_size) == (64, 0)
+
+
 def test_packed_micro_batches_that_disagree_fall_back_to_padded_ones_that_train(tmp_path, monkeypatch):
     right_padded = kernels._right_padded
 
