@@ -360,7 +360,7 @@ def make_batch(t: "Training", i: int, stop: threading.Event) -> Rollout:
     if cfg.dynamic_sampling:  # more rounds, until the batch holds groups with signal
         batch = dynamic_sampling(batch, sample_round, cfg, run.tokenizer.pad_token_id, t.sampler_group)
     with t.timer.span("score: reference", "sampler"):
-        score_frozen(batch, run.reference, cfg)
+        score_frozen(batch, run.reference, cfg, t.frozen_group)
         if run.policy.device.type == "cuda":
             torch.cuda.current_stream().synchronize()  # the batch is complete before the trainer's stream reads it
     return batch
@@ -626,15 +626,17 @@ def reward_scores(batch: Rollout, reward_fn, cfg: Config):  # the reward: a mode
 
 
 @torch.no_grad()
-def score_frozen(batch: Rollout, reference, cfg: Config):
+def score_frozen(batch: Rollout, reference, cfg: Config, group=None):
     """Once the rewards are in: the rows of the loss (choose_loss_tokens), and the reference's log-probs of those
     that need forwards (the others keep the sampler's, finite). No trainer weights: the overlapped loop runs it in the
-    producer."""
+    producer. group: the producer's, where the reference is sharded (shards_frozen): each forward gathers its weights
+    from every rank, so every rank forwards all its rows, in as many micro-batches."""
     choose_loss_tokens(batch, cfg)
     batch.ref_logprobs = batch.behav_logprobs.clone()  # (B, T)
-    scored = batch.forward_rows
+    scored = batch.forward_rows if group is None else torch.ones_like(batch.forward_rows)
     minibatches = scored.nonzero()[:, 0].split(len(scored) // cfg.minibatches)  # (as the update's, in size)
-    for rows in itertools.chain(*micro_batch_rows(batch, [m for m in minibatches if len(m)], cfg)):
+    minibatches = [m for m in minibatches if len(m)]
+    for rows in itertools.chain(*micro_batch_rows(batch, minibatches, cfg, ranks_agree=group is not None, group=group)):
         batch.ref_logprobs[rows] = rollout_logprobs(reference, batch.rows(rows), cfg)[0]
 
 
@@ -1052,6 +1054,7 @@ class Run:
     env: object  # --env's factory, or None
     task: "Task"  # the task's hooks: warm-up, held-out evaluation
     lora: object = None  # --lora-rank: the peft model over the policy (its adapters: policy_adapter/)
+    reward_model: nn.Module = None  # --reward-model's (reward_fn scores with it)
 
 
 def setup(cfg: Config, ctx: Dist = Dist()) -> Run:
@@ -1129,7 +1132,8 @@ def setup(cfg: Config, ctx: Dist = Dist()) -> Run:
         cfg.micro_batch_tokens, cfg.micro_batch_size = 0, rows
     print(f"policy {sum(p.numel() for p in policy.parameters()) / 1e6:.2f}M parameters on {device}; {critic_from}")
     return Run(tokenizer, policy, Actor(reference, cfg.temperature, cfg.full_logits, vocab), critic, reward_fn,
-               prompt_texts, prompt_ids, stop_ids, vocab, load_env(cfg.env) if cfg.env else None, task, lora)
+               prompt_texts, prompt_ids, stop_ids, vocab, load_env(cfg.env) if cfg.env else None, task, lora,
+               reward_model)
 
 
 def trained_dtype(cfg: Config):  # the policy's weights: fp32 (bf16 Adam steps round away); --lora-rank: the base's
@@ -1195,11 +1199,13 @@ def plan_memory(cfg: Config, device, world: int, policy, reward_model):
     print(f"memory on {device} before activations, {unit}: {shown} = {total / size:.2f} of {capacity / size:.0f}")
     if total > capacity:
         lora = sum(memory_parts(dataclasses.replace(cfg, lora_rank=16), device, world, policy, reward_model).values())
-        held = sum(v for k, v in parts.items() if k in ("reference", "reward model", "sampler+staging"))  # (whole)
+        sharded = shards_frozen(dataclasses.replace(cfg, fsdp=True), device)  # (whether --fsdp shards them too)
+        whole = ("sampler+staging",) + (() if sharded else ("reference", "reward model"))  # what --fsdp cannot shard
+        held = sum(v for k, v in parts.items() if k in whole)
         fits = [f"--lora-rank 16 (~{lora / gib:.0f} GiB)"] if not cfg.lora_rank and lora < capacity else []
-        if capacity > held and not cfg.lora_rank:  # FSDP2 over N GPUs: what trains, sharded, beside the frozen parts
+        if capacity > held and not cfg.lora_rank:  # FSDP2 over N GPUs: the rest sharded, beside what it cannot shard
             gpus = math.ceil((total - held) * (world if cfg.fsdp else 1) / (capacity - held))
-            fits.append(f"sharding what trains over {gpus} GPUs (torchrun --nproc_per_node {gpus} ... --fsdp)")
+            fits.append(f"sharding over {gpus} GPUs (torchrun --nproc_per_node {gpus} ... --fsdp)")
         raise SystemExit(f"this run needs ~{total / gib:.0f} GiB on {device} before activations, more than its "
                          f"{capacity / gib:.0f} GiB: try {' or '.join(fits + ['a smaller model'])}")
 
@@ -1210,6 +1216,7 @@ def memory_parts(cfg: Config, device, world: int, policy, reward_model) -> dict:
     frozen = torch.finfo(getattr(torch, cfg.dtype)).bits // 8  # bytes a parameter of the frozen models
     base = torch.finfo(trained_dtype(cfg)).bits // 8  # (--lora-rank: the base's bytes a parameter; else fp32)
     sampler = 2 * (2 if device.type == "cuda" else base) * n  # its weights and WeightSync's staging copy (GPU: bf16)
+    frozen /= shards if shards_frozen(cfg, device) else 1  # (FSDP2: the reference and reward model sharded too)
     reward = frozen * count([reward_model])
     if cfg.lora_rank:  # fp32 adapters (+ gradients, Adam: 16 bytes) of each adapted layer; one shared base
         names = None if cfg.lora_targets == "all-linear" else lora_targets(cfg)
@@ -1389,18 +1396,30 @@ def make_optimizers(cfg: Config, policy, critic):  # AdamW per model (eps 1e-5: 
     return optimizers[0], optimizers[1] if critic is not None else None, schedules
 
 
-def wrap_for_training(model, cfg: Config):  # torchrun: DDP, or --fsdp FSDP2 (each decoder layer, then the root)
+def wrap_for_training(model, cfg: Config):  # torchrun: DDP, or --fsdp FSDP2
     if not torch.distributed.is_initialized():
         return model
     device = next(model.parameters()).device
-    if cfg.fsdp:  # on a mesh of the run's device type (without one, fully_shard moves a CPU run to cuda:0)
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-        mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
-        for layer in decoder_layers(model):
-            fully_shard(layer, mesh=mesh)
-        return fully_shard(model, mesh=mesh)
+    if cfg.fsdp:
+        return fsdp_shard(model)
     return nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+def fsdp_shard(model, group=None, **options):  # FSDP2 over group's ranks (None: all): each decoder layer, the root
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    kind = next(model.parameters()).device.type  # a mesh of it: without one, fully_shard moves a CPU run to cuda:0
+    mesh = DeviceMesh.from_group(group, kind) if group else init_device_mesh(kind, (torch.distributed.get_world_size(),))
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh, **options)
+    return fully_shard(model, mesh=mesh, **options)
+
+
+def shards_frozen(cfg: Config, device) -> bool:
+    """--fsdp: the reference and the reward model are sharded too, each forward all-gathering their weights. Not on
+    CUDA with --max-staleness > 0: their forwards would run in the sampler thread beside the trainer's collectives on a
+    second NCCL communicator, and NCCL does not order two communicators' kernels (a hang). Gloo's are CPU threads."""
+    return cfg.fsdp and (device.type != "cuda" or cfg.max_staleness == 0)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1886,15 +1905,15 @@ class Producer:
         torch.set_num_threads(self.threads)
 
 
-def micro_batch_rows(batch: Rollout, minibatches, cfg: Config, ranks_agree=False):
+def micro_batch_rows(batch: Rollout, minibatches, cfg: Config, ranks_agree=False, group=None):
     """Each minibatch's rows in micro-batches (--micro-batch-size rows, or --micro-batch-tokens' token_budget_bins).
-    ranks_agree: as many micro-batches per minibatch on every rank (one collective)."""
+    ranks_agree: as many micro-batches per minibatch on every rank (one collective, on group: None = the trainer's)."""
     if not cfg.micro_batch_tokens:
         return [list(rows.split(cfg.micro_batch_size or len(rows))) for rows in minibatches]
     lengths = full_sequence(batch)[1].sum(1).tolist()
     groups = [token_budget_bins([lengths[r] for r in rows.tolist()], cfg.micro_batch_tokens) for rows in minibatches]
     counts = torch.tensor([len(g) for g in groups], device=batch.response.device)
-    counts = all_reduce(counts, "max").tolist() if ranks_agree else counts.tolist()
+    counts = all_reduce(counts, "max", group).tolist() if ranks_agree else counts.tolist()
     groups = [token_budget_bins([lengths[r] for r in rows.tolist()], cfg.micro_batch_tokens, n) if n > len(g) else g
               for rows, g, n in zip(minibatches, groups, counts)]
     return [[rows[torch.tensor(g, device=rows.device)] for g in gs] for rows, gs in zip(minibatches, groups)]
@@ -1935,6 +1954,7 @@ class Training:
     producer: Producer = None
     pool: object = None  # --env: the threads the environments step in
     sampler_group: object = None  # torchrun: the producer's own process group (gloo), for its collectives
+    frozen_group: object = None  # shards_frozen: the producer's group for the frozen models' all-gathers
     run_start: float = 0.0  # time.time() at which the run (before a resume included) started
     window_start: float = 0.0  # the end of the last iteration: an iteration's window ends at the end of the next
 
@@ -2001,6 +2021,15 @@ def start_training(cfg: Config, run, output_dir: str, threaded, ctx: Dist) -> Tr
         write_file(os.path.join(output_dir, "config.json"), json.dumps(dataclasses.asdict(cfg), indent=2))
     if torch.distributed.is_initialized():  # (a thread's collectives on the trainer's group could interleave)
         t.sampler_group = torch.distributed.new_group(backend="gloo")
+    if sharded and shards_frozen(cfg, device):  # each rank holds 1 / world of them; a forward gathers the rest
+        t.frozen_group = t.sampler_group if device.type == "cpu" else torch.distributed.new_group(backend="nccl")
+        for model in (run.reference, run.reward_model):
+            if model is not None:
+                fsdp_shard(model, t.frozen_group, reshard_after_forward=True)  # (the root too: frozen, it waits)
+        print(f"reference{' and reward model' if run.reward_model else ''} sharded over {ctx.world} ranks (FSDP2)")
+    elif sharded:
+        print("reference and reward model replicated: --max-staleness > 0 on CUDA scores them in the sampler thread "
+              "(shards_frozen)")
     t.logger = Logger(cfg, output_dir, enabled=ctx.rank == 0)
     t.order = prompt_order(len(run.prompt_ids), cfg.seed, start=t.prompts_drawn)
     if run.env is not None:  # a tool call mostly waits: as many threads as rows, each on the run's device, not cuda:0
@@ -2371,9 +2400,9 @@ def init_distributed(cfg: Config) -> Dist:
     return ctx
 
 
-def all_reduce(t, op="sum"):  # t reduced over all ranks, in place; the identity in a single process
+def all_reduce(t, op="sum", group=None):  # t reduced over all ranks, in place; the identity in a single process
     if torch.distributed.is_initialized():
-        torch.distributed.all_reduce(t, getattr(torch.distributed.ReduceOp, op.upper()))
+        torch.distributed.all_reduce(t, getattr(torch.distributed.ReduceOp, op.upper()), group)
     return t
 
 

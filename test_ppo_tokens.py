@@ -1244,17 +1244,22 @@ def test_memory_line_counts_each_part_and_a_run_that_cannot_fit_stops_before_loa
         line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("memory on cpu"))
         shown = ", ".join(f"{k} {v / 2**20:.2f}" for k, v in parts.items())
         assert line.endswith(f"MiB: {shown} = {sum(parts.values()) / 2**20:.2f} of {capacity / 2**20:.0f}")
+    fsdp = dataclasses.replace(pt.parse_config(argv), fsdp=True)  # FSDP2 at 2 ranks: all but the sampler sharded
+    halves = {k: v if k == "sampler+staging" else v / 2 for k, v in full.items()}
+    assert pt.memory_parts(fsdp, torch.device("cpu"), 2, model, rm) == halves
+    stale = dataclasses.replace(fsdp, max_staleness=1)  # CUDA's sampler thread: the frozen models stay whole
+    assert pt.memory_parts(stale, torch.device("cuda"), 2, model, rm)["reference"] == 4 * n
     loaded.clear()
-    lora_16, held = sum(lora.values()) + 2 * 16 * 12 * n_lora, 12 * n + 4 * n_rm  # (rank 16: 4 times the adapters)
+    lora_16, held = sum(lora.values()) + 2 * 16 * 12 * n_lora, 8 * n  # (rank 16: 4 times the adapters)
     small = (lora_16 + sum(full.values())) // 2  # a device that holds the run with --lora-rank 16, not without
     monkeypatch.setattr(pt, "device_memory", lambda device: small)
-    gpus = math.ceil((sum(full.values()) - held) / (small - held))  # what trains, sharded over the room left
+    gpus = math.ceil((sum(full.values()) - held) / (small - held))  # all but the sampler, sharded over the room left
     with pytest.raises(SystemExit, match=rf"needs ~0 GiB on cpu before activations, more than its 0 GiB: try "
-                                         rf"--lora-rank 16 \(~0 GiB\) or sharding what trains over {gpus} GPUs "
+                                         rf"--lora-rank 16 \(~0 GiB\) or sharding over {gpus} GPUs "
                                          rf"\(torchrun --nproc_per_node {gpus} \.\.\. --fsdp\) or a smaller model$"):
         pt.setup(pt.parse_config(argv))
     assert not loaded and gpus > 1  # stopped before the policy loaded
-    monkeypatch.setattr(pt, "device_memory", lambda device: 12 * n)  # not even the frozen parts fit
+    monkeypatch.setattr(pt, "device_memory", lambda device: 6 * n)  # not even the sampler's two copies fit
     with pytest.raises(SystemExit, match=r"more than its 0 GiB: try a smaller model$"):
         pt.setup(pt.parse_config(argv))
 
@@ -2276,6 +2281,31 @@ def first_iteration(world: int, rank: int, loss_agg="token-mean"):
     return torch.cat(advantages if world > 1 else [batch.advantages]), stats, [p.detach() for p in policy.parameters()]
 
 
+def frozen_scores(rank: int, group=None):
+    """This rank's half of a fixed batch of 8: the reference's log-probs of every row and a reward model's scores,
+    replicated, or (group) sharded over group's ranks as --fsdp shards them (shards_frozen) and scored as the run
+    scores them. Rank 0's groups are all flat (their rows leave the loss), rank 1's are not: a sharded reference must
+    still be forwarded as often on both ranks, since each forward all-gathers its weights."""
+    tokenizer = pt.build_demo_tokenizer()
+    cfg = pt.Config(advantage="grpo", samples_per_prompt=2, batch_size=8, minibatches=1, response_length=4)
+    reference = pt.Actor(tiny_llama(len(tokenizer), seed=5, dtype=torch.float32).requires_grad_(False), 1.0)
+    reward_model = pt.build_critic(tiny_llama(len(tokenizer), seed=6, dtype=torch.float32)).requires_grad_(False)
+    torch.nn.init.normal_(reward_model.head.weight, generator=torch.Generator().manual_seed(7))
+    texts = [f"{a}+{b}=" for a, b in [(1, 2), (1, 2), (9, 90), (9, 90), (12, 3), (12, 3), (99, 99), (99, 99)]]
+    batch = demo_rollout(tokenizer, tiny_llama(len(tokenizer), seed=4, dtype=torch.float32), texts)
+    batch = batch.rows(torch.arange(4 * rank, 4 * rank + 4))
+    batch.scores = torch.tensor([0.0, 0.0, 0.0, 0.0] if rank == 0 else [0.0, 1.0, 0.0, 1.0])
+    if group is None:
+        logprobs = pt.rollout_logprobs(reference, batch, cfg)[0]
+    else:
+        for model in (reference, reward_model):
+            pt.fsdp_shard(model, group, reshard_after_forward=True)
+        assert all(type(p).__name__ == "DTensor" for m in (reference, reward_model) for p in m.parameters())
+        pt.score_frozen(batch, reference, cfg, group)
+        logprobs = batch.ref_logprobs
+    return logprobs, pt.reward_model_scores(reward_model, tokenizer, tokenizer, batch, False, micro_batch_size=3)
+
+
 def unequal_shares(rank: int):  # (x, mask): a rank's share of a logged statistic, 3 elements on rank 0, 12 on rank 1
     x = torch.randn(5, 3, generator=torch.Generator().manual_seed(rank), dtype=torch.float64) + 2.0 * rank
     mask = torch.zeros(5, 3, dtype=torch.bool)
@@ -2284,13 +2314,17 @@ def unequal_shares(rank: int):  # (x, mask): a rank's share of a logged statisti
 
 
 @slow
-def test_whitening_and_the_first_update_do_not_depend_on_the_world_size(tmp_path):
+def test_whitening_the_first_update_and_sharded_frozen_models_do_not_depend_on_the_world_size(tmp_path):
     torchrun([os.path.abspath(__file__), str(tmp_path / "world2.pt")], tmp_path)
     # the logged statistics over the rows in the loss: the mean over both ranks' elements, not of the ranks' means
     (x0, m0), (x1, m1) = unequal_shares(0), unequal_shares(1)
     expected = float(pt.masked_mean(torch.cat([x0, x1]), torch.cat([m0, m1])))
     assert math.isclose(torch.load(tmp_path / "world2.pt")["global_means"][0], expected, rel_tol=1e-12)
     assert abs(expected - (pt.masked_mean(x0, m0) + pt.masked_mean(x1, m1)) / 2) > 0.5  # (which would differ)
+    # --fsdp's sharded reference and reward model score as the replicated ones, on both ranks
+    replicated, sharded = torch.load(tmp_path / "world2.pt")["frozen"]
+    for (logprobs, scores), (want_logprobs, want_scores) in zip(sharded, replicated):
+        assert torch.equal(logprobs, want_logprobs) and torch.equal(scores, want_scores)
     advantages, stats, weights = first_iteration(1, 0)
     two = torch.load(tmp_path / "world2.pt")["token-mean"]
     torch.testing.assert_close(two["advantages"], advantages, rtol=1e-5, atol=1e-6)  # whitened over both ranks
@@ -2324,10 +2358,10 @@ def test_dynamic_sampling_chooses_the_same_groups_at_one_rank_and_two_and_with_t
     (tmp_path / "record.py").write_text(  # each rank's batch prompts, as the reference scores them
         f"import json, os, sys\nsys.path.insert(0, {HERE!r})\nimport ppo_tokens\n"
         "scored = ppo_tokens.score_frozen\n"
-        "def recording(batch, reference, cfg):\n"
+        "def recording(batch, *rest):\n"
         "    with open(f\"batches{os.environ.get('RANK', '0')}.jsonl\", 'a') as f:\n"
         "        f.write(json.dumps(batch.prompts) + '\\n')\n"
-        "    return scored(batch, reference, cfg)\n"
+        "    return scored(batch, *rest)\n"
         "ppo_tokens.score_frozen = recording\nppo_tokens.main(sys.argv[1:])\n")
     args = ["record.py", "--reward", "by_prompt:score", "--advantage", "grpo", "--samples-per-prompt", "4",
             "--batch-size", "16", "--minibatches", "2", "--steps", "3", "--response-length", "4", "--dynamic-sampling",
@@ -2409,6 +2443,7 @@ def test_torchrun_two_ranks_ddp_and_fsdp2_train_resume_and_stay_identical(tmp_pa
     out = torchrun([*args, "--fsdp", "--output-dir", str(tmp_path / "fsdp")], tmp_path).stdout
     fsdp = digests(out)
     assert "publish: 1 collective, the trainer's weights: True" in out
+    assert "reference sharded over 2 ranks (FSDP2)" in out  # (its log-probs: the KL in the reward of DDP's run)
     # FSDP2 holds one copy of each weight (its digest is of a gather, equal on every rank by construction): its
     # update must be DDP's, up to the order of the gradient reductions
     ddp_policy, fsdp_policy = (AutoModelForCausalLM.from_pretrained(tmp_path / d / "policy") for d in ("ddp", "fsdp"))
@@ -3231,6 +3266,7 @@ def test_cuda_torchrun_nccl(tmp_path, fsdp):
         out = torchrun([digest_script(tmp_path), *CUDA_LOOP, "--micro-batch-size", "4", *(["--fsdp"] if fsdp else []),
                         "--output-dir", str(tmp_path / f"run{nproc}")], tmp_path, nproc=nproc).stdout
         assert len(set(digests(out))) == 1
+        assert (f"reference sharded over {nproc} ranks (FSDP2)" in out) == fsdp  # (NCCL: a group of its own)
         cuda_records(tmp_path / f"run{nproc}", 3)
 
 
@@ -3623,13 +3659,15 @@ def test_a_new_loss_and_estimator_are_one_function_and_one_table_entry_each(toke
 
 
 if __name__ == "__main__":  # torchrun test_ppo_tokens.py OUT: the two-rank half of
-    # test_whitening_and_the_first_update_do_not_depend_on_the_world_size
+    # test_whitening_the_first_update_and_sharded_frozen_models_do_not_depend_on_the_world_size
     ctx = pt.init_distributed(pt.Config(device="cpu"))
     results = {}
     for agg in LOSS_AGGS:
         advantages, stats, weights = first_iteration(ctx.world, ctx.rank, agg)
         results[agg] = {"advantages": advantages, "stats": stats, "weights": weights}
     results["global_means"] = pt.global_masked_means([unequal_shares(ctx.rank)])
+    group = torch.distributed.new_group(backend="gloo")  # (as the run's producer group)
+    results["frozen"] = [pt.gather_objects(frozen_scores(ctx.rank, g)) for g in (None, group)]
     if ctx.rank == 0:
         torch.save(results, sys.argv[1])
     import gc
