@@ -637,7 +637,8 @@ def score_frozen(batch: Rollout, reference, cfg: Config, group=None):
     minibatches = scored.nonzero()[:, 0].split(len(scored) // cfg.minibatches)  # (as the update's, in size)
     minibatches = [m for m in minibatches if len(m)]
     for rows in itertools.chain(*micro_batch_rows(batch, minibatches, cfg, ranks_agree=group is not None, group=group)):
-        batch.ref_logprobs[rows] = rollout_logprobs(reference, batch.rows(rows), cfg)[0]
+        with autocast(cfg, batch.response.device):  # as the trainer's forwards (--lora-rank: a bf16 base, fp32 head)
+            batch.ref_logprobs[rows] = rollout_logprobs(reference, batch.rows(rows), cfg)[0]
 
 
 def choose_loss_tokens(batch: Rollout, cfg: Config):
@@ -1223,7 +1224,8 @@ def memory_parts(cfg: Config, device, world: int, policy, reward_model) -> dict:
         adapted = [m for name, m in backbone_of(policy).named_modules() if isinstance(m, nn.Linear) and
                    (names is None or name.rpartition(".")[2] in names)]
         n_lora = cfg.lora_rank * sum(m.in_features + m.out_features for m in adapted)
-        return {"base": base * n, "policy adapters+grads+Adam": 16 * n_lora,
+        head = count([policy.get_output_embeddings()])  # fp32 (lora_models; tied: the embedding with it)
+        return {"base": base * n + (4 - base) * head, "policy adapters+grads+Adam": 16 * n_lora,
                 "critic adapters+grads+Adam": 16 * n_lora * critic, "reward model": reward, "sampler+staging": sampler}
     n_critic = count([backbone_of(policy)]) * critic
     return {"policy": 4 * n / shards, "policy grads+Adam": 12 * n / shards,  # fp32: 4 + 4 + 8 bytes
@@ -1409,7 +1411,8 @@ def fsdp_shard(model, group=None, **options):  # FSDP2 over group's ranks (None:
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.fsdp import fully_shard
     kind = next(model.parameters()).device.type  # a mesh of it: without one, fully_shard moves a CPU run to cuda:0
-    mesh = DeviceMesh.from_group(group, kind) if group else init_device_mesh(kind, (torch.distributed.get_world_size(),))
+    world = torch.distributed.get_world_size()
+    mesh = DeviceMesh.from_group(group, kind) if group else init_device_mesh(kind, (world,))
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh, **options)
     return fully_shard(model, mesh=mesh, **options)
@@ -1739,9 +1742,13 @@ def run_episodes(decoder, envs, texts, seeds, tokenizer, cfg: Config, pool=None,
 # two threads' kernels go to separate streams and overlap, with no hand-picked yield points.
 
 
-def sampler_copy(policy):  # the sampler's inference copy of the policy: bf16 on GPU, no gradients
-    dtype = torch.bfloat16 if policy.device.type == "cuda" else policy.dtype
-    return cast_parameters(copy.deepcopy(policy), dtype).requires_grad_(False)
+def sampler_copy(policy, dtype):  # the sampler's inference copy of the policy: bf16 on GPU, else dtype; no gradients
+    sampler = copy.deepcopy(policy)
+    if policy.device.type == "cpu":  # torch's CPU bf16 linear of a strided input (logits_to_keep's (B, 1, H) slice)
+        # allocates ~15 bytes a weight for a moment: +2 GiB at every prefill for Qwen2.5-0.5B's 152k-token head
+        sampler.get_output_embeddings().register_forward_pre_hook(lambda head, args: (args[0].contiguous(),))
+    dtype = torch.bfloat16 if policy.device.type == "cuda" else dtype  # (one dtype: its weights are one flat buffer)
+    return cast_parameters(sampler, dtype).requires_grad_(False)
 
 
 def cast_parameters(model, dtype):  # the parameters only: buffers (RoPE frequencies, ...) keep their fp32 precision
@@ -1971,7 +1978,7 @@ def start_training(cfg: Config, run, output_dir: str, threaded, ctx: Dist) -> Tr
     checkpoint's weights, optimizer states, schedules, generators, metrics and run time."""
     policy, device = run.policy, run.policy.device
     base = run.reference.policy if run.lora else None  # --lora-rank: the sampler has the base's tree, merged weights
-    sampler = sampler_copy(policy if base is None else base)
+    sampler = sampler_copy(policy if base is None else base, trained_dtype(cfg))  # (--lora-rank: its head in it too)
     sharded = cfg.fsdp and torch.distributed.is_initialized()
     # FSDP2: the task evaluates a full copy of its own, not the sampler, which its thread uses and updates
     evaluator = copy.deepcopy(sampler) if sharded and run.task.evaluate is not None and ctx.rank == 0 else None
@@ -2260,9 +2267,9 @@ def save_policy(t: Training, path: str):
                 state = {k: w.cpu() for (k, _), w in zip(base.named_parameters(), merged_weights(model, base))}
             model = base
             t.run.lora.save_pretrained(path + "_adapter", save_embedding_layers=False)  # (the base is frozen)
-        # cloned: the trainer's parameters are views into one flat buffer, which safetensors would see as shared memory
-        model.save_pretrained(path, state_dict={k.removeprefix("policy."): v.detach().clone()
-                                                for k, v in state.items()})
+        else:  # cloned: the trainer's parameters are views into one flat buffer (safetensors: shared memory)
+            state = {k.removeprefix("policy."): v.detach().clone() for k, v in state.items()}
+        model.save_pretrained(path, state_dict=state)
         t.run.tokenizer.save_pretrained(path)
 
 
@@ -2452,8 +2459,9 @@ def bench_rollout(cfg: Config):
     # sized and sampled as train() does: rows in groups of n with one prompt; no stop id: --response-length tokens each
     ids, mask = left_pad([run.prompt_ids[i // n % len(run.prompt_ids)] for i in range(B)], pad, run.policy.device)
     args = dict(sampling_args(cfg, pad, [], run.vocab), generator=torch.Generator(run.policy.device))
-    kernels.bench_sampler(sampler_copy(run.policy), ids, mask, functools.partial(generate, **args), PlainDecoder,
-                          max(map(len, run.prompt_ids)) + cfg.response_length, n, cfg.compile_sampler,
+    model = run.reference.policy if run.lora else run.policy  # (--lora-rank: the base, which its zero B A leave as is)
+    kernels.bench_sampler(sampler_copy(model, trained_dtype(cfg)), ids, mask, functools.partial(generate, **args),
+                          PlainDecoder, max(map(len, run.prompt_ids)) + cfg.response_length, n, cfg.compile_sampler,
                           temperature=cfg.temperature, max_new_tokens=cfg.response_length, pad_token_id=pad,
                           eos_token_id=run.tokenizer.eos_token_id)
 

@@ -1303,6 +1303,8 @@ def test_lora_trains_only_adapters_and_the_value_head_over_one_base_that_is_the_
     t = pt.start_training(cfg, run, str(tmp_path / "again"), False, pt.Dist())  # a sampler copy, published to
     sampler = dict(t.decoder.model.named_parameters())  # (the static decoder's model)
     t.close()
+    held = 2 * t.sync.staging.numel() * t.sync.staging.element_size()  # the sampler's weights and their staging copy
+    assert held == pt.memory_parts(cfg, torch.device("cpu"), 1, run.reference.policy, None)["sampler+staging"]
     saved = dict(AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "policy").named_parameters())
     adapted = PeftModel.from_pretrained(pt.build_demo_policy(run.tokenizer, cfg.seed, 32, 1), tmp_path / "run" /
                                         "policy_adapter").merge_and_unload()
@@ -1310,6 +1312,31 @@ def test_lora_trains_only_adapters_and_the_value_head_over_one_base_that_is_the_
         assert torch.allclose(sampler[name], weight, rtol=0, atol=1e-6), name
         assert torch.equal(saved[name], sampler[name]), name  # (fp32 on a CPU: the same numbers)
         assert torch.allclose(dict(adapted.named_parameters())[name], weight, rtol=0, atol=1e-6), name
+
+
+@pytest.mark.skipif(not pt.native_bf16(torch.device("cpu")), reason="this CPU has no bf16 matmuls (AVX512-BF16, AMX)")
+@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")  # (peft)
+def test_lora_bf16_over_a_tied_embedding_trains_and_its_sampler_is_one_bf16_buffer(tmp_path, tokenizer, monkeypatch):
+    """--lora-rank --bf16 over a model whose output head is its embedding (as Qwen2.5-0.5B): the fp32 log-prob head
+    makes the embedding fp32 too, so the frozen reference scores under autocast as the trainer does (without, its bf16
+    layers met fp32 embeddings), and the sampler is one bf16 buffer (it was fp32 whole: twice the memory line)."""
+    write_reward_module(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    tiny_llama(len(tokenizer), dtype=torch.float32, tie_word_embeddings=True).save_pretrained(tmp_path / "tied")
+    tokenizer.save_pretrained(tmp_path / "tied")
+    (tmp_path / "p.jsonl").write_text("".join(f'{{"prompt": "{a}+{a}="}}\n' for a in range(16)))
+    cfg = pt.parse_config([*TINY, "--model", str(tmp_path / "tied"), "--prompts", "p.jsonl", "--no-chat-template",
+                           "--reward", "count_ones:score", "--response-length", "4", "--bf16", "--lora-rank", "4"])
+    run = pt.setup(cfg)
+    assert run.policy.get_input_embeddings().weight.dtype == torch.float32  # (tied to the fp32 head)
+    for out in ("run", "again"):
+        (tmp_path / out).mkdir()
+    assert len(pt.train(cfg, run, str(tmp_path / "run"), threaded=False)) == 3  # (it ran: the reference scored)
+    t = pt.start_training(cfg, run, str(tmp_path / "again"), False, pt.Dist())
+    t.close()
+    held = 2 * t.sync.staging.numel() * t.sync.staging.element_size()
+    assert t.sync.staging.dtype == torch.bfloat16
+    assert held == pt.memory_parts(cfg, torch.device("cpu"), 1, run.reference.policy, None)["sampler+staging"]
 
 
 def test_model_directory_prompts_file_and_reward_function(tmp_path, tokenizer):
