@@ -124,6 +124,8 @@ class Config:
     lora_alpha: float = arg(32.0, "LoRA: the adapters' scale is alpha / rank")
     lora_targets: str = arg("all-linear", "LoRA: the linear layers adapted, comma-separated module names; 'all-linear'"
                                           " = every one of the decoder (not the output head)")
+    offload: bool = arg(False, "CUDA: Adam's moments in pinned host memory between steps; the frozen reference (a "
+                               "copy) and reward model there too, each layer brought in for its forward")
     # the built-in demo (the task at the end of the file)
     demo_warmup_steps: int = arg(1000, "supervised warm-up steps before PPO (0 = none); fixed, past the loss's drop")
     demo_warmup_lr: float = arg(3e-3, "warm-up learning rate (AdamW, betas (0.9, 0.95), 50-step linear warm-up)")
@@ -1065,6 +1067,8 @@ def setup(cfg: Config, ctx: Dist = Dist()) -> Run:
     if device.type == "cuda":  # the current device: Triton launches, streams, events and graphs use it
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = cfg.tf32  # fp32 matmuls (trainer, fp32 heads) in TF32: README
+    if cfg.offload and device.type != "cuda":
+        raise SystemExit(f"--offload moves what waits on a GPU to the host; this run is on {device}: drop --offload")
     if cfg.bf16 and not native_bf16(device):  # (emulated bf16 is slower than fp32)
         raise SystemExit(f"--bf16: {device} has no bf16 matmuls (CUDA before sm 80, a CPU without AVX512-BF16 or AMX); "
                          "pass --no-bf16")
@@ -1117,12 +1121,14 @@ def setup(cfg: Config, ctx: Dist = Dist()) -> Run:
         lora, reference, critic = lora_models(policy, cfg, trained_dtype(cfg))
         critic_from = "critic: adapters and a zero-initialised head over the policy's base" if critic else critic_from
     else:
-        reference = cast_parameters(copy.deepcopy(policy), dtype).requires_grad_(False)
+        reference = offload_layers(cast_parameters(copy.deepcopy(policy), dtype).requires_grad_(False), cfg, device)
         if ADVANTAGES[cfg.advantage].critic:
             critic = build_critic(policy, reward_model, same_tokenizer)
             critic_from = f"critic from {'the reward model' if same_tokenizer else 'the policy, zero-initialised head'}"
             if cfg.micro_batch_tokens and not unpackable:  # (a critic from the reward model: its own attention)
                 unpackable = use_packed_attention(critic.backbone, cfg.bf16)
+    if reward_model is not None:  # (after the critic's copy of it)
+        offload_layers(reward_model, cfg, device)
     if cfg.micro_batch_tokens and any_rank(bool(unpackable), device):  # all pack or none: DDP pairs micro-batches
         unpackable = unpackable or "another rank's model cannot run packed"
     if unpackable:  # padded micro-batches of as many rows as the token budget holds at the longest padded length
@@ -1204,6 +1210,9 @@ def plan_memory(cfg: Config, device, world: int, policy, reward_model):
         whole = ("sampler+staging",) + (() if sharded else ("reference", "reward model"))  # what --fsdp cannot shard
         held = sum(v for k, v in parts.items() if k in whole)
         fits = [f"--lora-rank 16 (~{lora / gib:.0f} GiB)"] if not cfg.lora_rank and lora < capacity else []
+        offload = dataclasses.replace(cfg, offload=True)
+        offload = sum(memory_parts(offload, device, world, policy, reward_model).values())
+        fits += [f"--offload (~{offload / gib:.0f} GiB)"] if device.type == "cuda" and offload < capacity else []
         if capacity > held and not cfg.lora_rank:  # FSDP2 over N GPUs: the rest sharded, beside what it cannot shard
             gpus = math.ceil((total - held) * (world if cfg.fsdp else 1) / (capacity - held))
             fits.append(f"sharding over {gpus} GPUs (torchrun --nproc_per_node {gpus} ... --fsdp)")
@@ -1217,8 +1226,12 @@ def memory_parts(cfg: Config, device, world: int, policy, reward_model) -> dict:
     frozen = torch.finfo(getattr(torch, cfg.dtype)).bits // 8  # bytes a parameter of the frozen models
     base = torch.finfo(trained_dtype(cfg)).bits // 8  # (--lora-rank: the base's bytes a parameter; else fp32)
     sampler = 2 * (2 if device.type == "cuda" else base) * n  # its weights and WeightSync's staging copy (GPU: bf16)
-    frozen /= shards if shards_frozen(cfg, device) else 1  # (FSDP2: the reference and reward model sharded too)
-    reward = frozen * count([reward_model])
+    frozen /= shards if shards_frozen(cfg, device) and not cfg.offload else 1  # (FSDP2: the frozen models sharded)
+
+    def held(model):  # a frozen model's bytes here; --offload: outside its decoder layers, and one layer at a time
+        layers = decoder_layers(model) if cfg.offload and model is not None else []
+        return frozen * (count([model]) - count(layers) + max((count([layer]) for layer in layers), default=0))
+    reward = held(reward_model)
     if cfg.lora_rank:  # fp32 adapters (+ gradients, Adam: 16 bytes) of each adapted layer; one shared base
         names = None if cfg.lora_targets == "all-linear" else lora_targets(cfg)
         adapted = [m for name, m in backbone_of(policy).named_modules() if isinstance(m, nn.Linear) and
@@ -1227,10 +1240,11 @@ def memory_parts(cfg: Config, device, world: int, policy, reward_model) -> dict:
         head = count([policy.get_output_embeddings()])  # fp32 (lora_models; tied: the embedding with it)
         return {"base": base * n + (4 - base) * head, "policy adapters+grads+Adam": 16 * n_lora,
                 "critic adapters+grads+Adam": 16 * n_lora * critic, "reward model": reward, "sampler+staging": sampler}
-    n_critic = count([backbone_of(policy)]) * critic
-    return {"policy": 4 * n / shards, "policy grads+Adam": 12 * n / shards,  # fp32: 4 + 4 + 8 bytes
-            "critic": 4 * n_critic / shards, "critic grads+Adam": 12 * n_critic / shards,
-            "reference": frozen * n, "reward model": reward, "sampler+staging": sampler}
+    n_critic, adam = count([backbone_of(policy)]) * critic, 0 if cfg.offload else 8  # (--offload: in for its step)
+    return {"policy": 4 * n / shards, "policy grads+Adam": (4 + adam) * n / shards,  # fp32: 4 + 4 + 8 bytes
+            "critic": 4 * n_critic / shards, "critic grads+Adam": (4 + adam) * n_critic / shards,
+            "Adam at a step": (8 - adam) * max(n, n_critic) / shards,  # --offload: one model's moments at a time
+            "reference": held(policy), "reward model": reward, "sampler+staging": sampler}
 
 
 PAD_TOKEN = "<|ppo_tokens_pad|>"
@@ -1364,6 +1378,55 @@ def merged_weights(policy, reference):  # --lora-rank: the reference's parameter
     for name, p in reference.named_parameters():
         layer = layers.get(name.removesuffix(".weight"))
         yield p if layer is None else p + layer.get_delta_weight(layer.active_adapters[0])
+
+
+# --offload (CUDA): what waits on the GPU between its uses waits in pinned host memory, brought in non-blocking
+
+def offload_layers(model, cfg: Config, device):
+    """--offload: a frozen model's decoder layers in pinned host memory (sharded under --fsdp: FSDP2's
+    CPUOffloadPolicy instead); each comes in for its forward and its device copy is dropped after, so the GPU holds
+    one layer (and the embeddings, the head). The caching allocator frees in stream order: no sync is needed."""
+    if not cfg.offload or (cfg.fsdp and shards_frozen(cfg, device)):
+        return model
+    for layer in decoder_layers(model):
+        layer.host_weights = [p.data.cpu().pin_memory() for p in layer.parameters()]  # (a copy keeps its own)
+        layer_to_host(layer)
+        layer.register_forward_pre_hook(lambda layer, args: layer_to(layer, device))
+        layer.register_forward_hook(lambda layer, args, output: layer_to_host(layer))
+    return model
+
+
+def layer_to(layer, device):  # --offload: the layer's weights onto the device, non-blocking from pinned memory
+    for p, host in zip(layer.parameters(), layer.host_weights):
+        p.data = host.to(device, non_blocking=True)
+
+
+def layer_to_host(layer):  # and back: the device copies dropped
+    for p, host in zip(layer.parameters(), layer.host_weights):
+        p.data = host
+
+
+def offload_moments(optimizer):
+    """--offload: Adam's moments (8 bytes a trained parameter) in pinned host memory except during each step, as
+    verl's optimizer offload: generation, scoring and the backward have that memory; the step's peak holds them."""
+    from torch.distributed.tensor import DTensor
+    pinned = {}  # (parameter, moment) -> its pinned host buffer, reused at every step
+
+    def move(to_host: bool):
+        for p, state in optimizer.state.items():
+            for k, v in [(k, v) for k, v in state.items() if torch.is_tensor(v) and v.shape == p.shape]:  # (not step)
+                if not to_host:
+                    state[k] = v.to(p.device, non_blocking=True)
+                elif isinstance(v, DTensor):  # FSDP2's shard
+                    state[k] = v.to("cpu")
+                else:  # (its last copy to the device, before the step, came first on this stream)
+                    if (p, k) not in pinned:
+                        pinned[p, k] = torch.empty_like(v, device="cpu", pin_memory=True)
+                    state[k] = pinned[p, k].copy_(v, non_blocking=True)
+        if to_host:
+            torch.cuda.current_stream().synchronize()  # a checkpoint reads them on the host
+    optimizer.register_step_pre_hook(lambda *_: move(False))
+    optimizer.register_step_post_hook(lambda *_: move(True))
 
 
 def decoder_layers(model):  # the transformer blocks: the longest ModuleList
@@ -1994,6 +2057,8 @@ def start_training(cfg: Config, run, output_dir: str, threaded, ctx: Dist) -> Tr
     actor = wrap_for_training(Actor(policy, cfg.temperature, cfg.full_logits, run.vocab), cfg)
     critic = wrap_for_training(run.critic, cfg) if run.critic is not None else None
     policy_opt, critic_opt, schedules = make_optimizers(cfg, actor, critic)
+    for optimizer in [o for o in (policy_opt, critic_opt) if o is not None and cfg.offload]:
+        offload_moments(optimizer)
     n_trained = sum(p.numel() for m in trained for p in m.parameters() if p.requires_grad)
     print(f"trainable parameters: {n_trained / 1e6:.2f}M ({' + '.join(type(m).__name__ for m in trained)})")
 
@@ -2032,7 +2097,9 @@ def start_training(cfg: Config, run, output_dir: str, threaded, ctx: Dist) -> Tr
         t.frozen_group = t.sampler_group if device.type == "cpu" else torch.distributed.new_group(backend="nccl")
         for model in (run.reference, run.reward_model):
             if model is not None:
-                fsdp_shard(model, t.frozen_group, reshard_after_forward=True)  # (the root too: frozen, it waits)
+                from torch.distributed.fsdp import CPUOffloadPolicy
+                offload = {"offload_policy": CPUOffloadPolicy()} if cfg.offload else {}  # (pinned; gathered as used)
+                fsdp_shard(model, t.frozen_group, reshard_after_forward=True, **offload)  # (the root too: it waits)
         print(f"reference{' and reward model' if run.reward_model else ''} sharded over {ctx.world} ranks (FSDP2)")
     elif sharded:
         print("reference and reward model replicated: --max-staleness > 0 on CUDA scores them in the sampler thread "

@@ -1246,9 +1246,19 @@ def test_memory_line_counts_each_part_and_a_run_that_cannot_fit_stops_before_loa
         assert line.endswith(f"MiB: {shown} = {sum(parts.values()) / 2**20:.2f} of {capacity / 2**20:.0f}")
     fsdp = dataclasses.replace(pt.parse_config(argv), fsdp=True)  # FSDP2 at 2 ranks: all but the sampler sharded
     halves = {k: v if k == "sampler+staging" else v / 2 for k, v in full.items()}
-    assert pt.memory_parts(fsdp, torch.device("cpu"), 2, model, rm) == halves
+    assert {k: v for k, v in pt.memory_parts(fsdp, torch.device("cpu"), 2, model, rm).items() if v} == halves
     stale = dataclasses.replace(fsdp, max_staleness=1)  # CUDA's sampler thread: the frozen models stay whole
-    assert pt.memory_parts(stale, torch.device("cuda"), 2, model, rm)["reference"] == 4 * n
+    gpu = torch.device("cuda")
+    assert pt.memory_parts(stale, gpu, 2, model, rm)["reference"] == 4 * n
+    offload = dataclasses.replace(pt.parse_config(argv), offload=True)  # a GPU's: Adam in for its step, one layer
+    layers, layer = (sum(p.numel() for p in m.parameters()) for m in (model.model.layers, model.model.layers[0]))
+    parts = pt.memory_parts(offload, gpu, 1, model, rm)  # (of each frozen model and its embeddings)
+    assert parts["reference"] == 4 * (n - layers + layer) and parts["policy grads+Adam"] == 4 * n
+    assert parts["Adam at a step"] == 8 * n and sum(parts.values()) < sum(pt.memory_parts(stale, gpu, 1, model, rm)
+                                                                          .values())
+    monkeypatch.setattr(pt, "device_memory", lambda device: sum(parts.values()) + 1)  # holds it offloaded only
+    with pytest.raises(SystemExit, match=r"try --lora-rank 16 \(~0 GiB\) or --offload \(~0 GiB\) or sharding"):
+        pt.plan_memory(pt.parse_config(argv), gpu, 1, model, rm)
     loaded.clear()
     lora_16, held = sum(lora.values()) + 2 * 16 * 12 * n_lora, 8 * n  # (rank 16: 4 times the adapters)
     small = (lora_16 + sum(full.values())) // 2  # a device that holds the run with --lora-rank 16, not without
@@ -2693,7 +2703,8 @@ def test_bad_input_is_refused_with_one_clear_line(tmp_path, capsys, monkeypatch,
              ([*base, "--lora-rank", "4", "--lora-targets", "q_proj, nosuch_proj"], 1,
               "no linear layer of the model is named nosuch_proj"),
              ([*base, "--lora-rank", "4", "--lora-alpha", "0"], 2, "--lora-alpha must be > 0 (got 0.0)"),
-             ([*base, "--lora-rank", "4", "--fsdp"], 2, "--lora-rank with --fsdp is not supported yet")]
+             ([*base, "--lora-rank", "4", "--fsdp"], 2, "--lora-rank with --fsdp is not supported yet"),
+             ([*base, "--offload"], 1, "--offload moves what waits on a GPU to the host; this run is on cpu")]
     if not torch.cuda.is_available():
         cases.append(([*base, "--device", "cuda"], 2, "--device cuda: CUDA is not available here; use --device cpu"))
     for i, (argv, status, message) in enumerate(cases):
@@ -3160,6 +3171,27 @@ def test_cuda_entry_point_trains(tmp_path, flags):
 
 
 @cuda
+def test_cuda_offload_ends_with_the_weights_of_a_resident_run(tmp_path, tokenizer):
+    """--offload: the frozen reference and reward model bring each layer in from pinned host memory for its forward,
+    and Adam's moments wait there between steps; the run must end with a resident run's weights, to the bit."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForSequenceClassification
+    rm = LlamaForSequenceClassification(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2,
+                                                    num_attention_heads=2, intermediate_size=64, num_labels=1,
+                                                    pad_token_id=tokenizer.pad_token_id))
+    rm.save_pretrained(tmp_path / "rm")
+    tokenizer.save_pretrained(tmp_path / "rm")
+    base = [*CUDA_LOOP, "--reward", "", "--reward-model", str(tmp_path / "rm"), "--max-staleness", "1"]
+    for name, flags in (("resident", []), ("offloaded", ["--offload"])):
+        out = run_cuda_script([*base, *flags, "--output-dir", str(tmp_path / name)], tmp_path)
+        cuda_records(tmp_path / name, 3)
+    assert "Adam at a step" in out and "critic from the reward model" in out
+    resident, offloaded = (AutoModelForCausalLM.from_pretrained(tmp_path / d / "policy") for d in ("resident",
+                                                                                                 "offloaded"))
+    for (name, a), b in zip(resident.state_dict().items(), offloaded.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+@cuda
 def test_cuda_critic_free_run_with_the_mismatch_correction(tmp_path):  # the bf16 sampler's drift, corrected
     write_reward_module(tmp_path)
     run_cuda_script([*CUDA_LOOP, "--advantage", "grpo", "--samples-per-prompt", "4", "--mismatch-correction",
@@ -3286,14 +3318,14 @@ def test_cuda_set_up_sets_the_device_and_the_matmul_precision(tmp_path):
 
 
 @cuda
-@pytest.mark.parametrize("fsdp", [False, True])
-def test_cuda_torchrun_nccl(tmp_path, fsdp):
+@pytest.mark.parametrize("flags", [[], ["--fsdp"], ["--fsdp", "--offload"]], ids=["ddp", "fsdp", "fsdp-offload"])
+def test_cuda_torchrun_nccl(tmp_path, flags):  # fsdp-offload: the sharded reference's CPUOffloadPolicy, FSDP2's moments
     write_reward_module(tmp_path)
     for nproc in (1, 2) if torch.cuda.device_count() > 1 else (1,):
-        out = torchrun([digest_script(tmp_path), *CUDA_LOOP, "--micro-batch-size", "4", *(["--fsdp"] if fsdp else []),
+        out = torchrun([digest_script(tmp_path), *CUDA_LOOP, "--micro-batch-size", "4", *flags,
                         "--output-dir", str(tmp_path / f"run{nproc}")], tmp_path, nproc=nproc).stdout
         assert len(set(digests(out))) == 1
-        assert (f"reference sharded over {nproc} ranks (FSDP2)" in out) == fsdp  # (NCCL: a group of its own)
+        assert (f"reference sharded over {nproc} ranks (FSDP2)" in out) == ("--fsdp" in flags)  # (NCCL: its own group)
         cuda_records(tmp_path / f"run{nproc}", 3)
 
 
