@@ -170,7 +170,7 @@ MODEL = {"task": "",  # the model's own prompts and reward (--prompts, --reward 
          "ppo_epochs": 1,  # verl's and OpenRLHF's one pass
          "lr": 1e-6, "critic_lr": 1e-5,  # theirs too: the demo's 5e-4 / 1e-3 would wreck a real model in a few updates
          "bf16": True}  # as TRL: bf16 autocast over fp32 weights (refused on a device without bf16 matmuls)
-MULTI_TURN_DEMO = {"steps": 150,
+MULTI_TURN_DEMO = {"steps": 100,  # sums below 90 (addition_task): 0.95+ by iteration 75 on the seeds tried
                    "response_length": 16,  # 4 tokens a turn, 8 an observation: 12 x --max-turns - 8 (presets())
                    "temperature": 1.0,  # at 0.7 the end varied 0.78-0.92
                    "kl_coef": 0.1, "clip_range_high": 0.28,  # keep the second tries exploring (without both: seed 2
@@ -2713,8 +2713,12 @@ def main(argv=None):
 
 
 def addition_task(cfg: Config) -> Task:
-    """The demo: all (a, b) in 0..99 x 0..99, split into training and held-out pairs once, the same for every seed."""
+    """The demo: all (a, b) in 0..99 x 0..99, split into training and held-out pairs once, the same for every seed.
+    The multi-turn demo's game takes the pairs whose sum is below 90: a neighbour 10 away then keeps two digits, and
+    the digit the hint decides (the tens) is always the answer's first, right after the hint. With three-digit sums
+    it was the second for half the game, which PPO learnt late or never depending on the CPU's rounding (README 21)."""
     pairs = [divmod(i, 100) for i in torch.randperm(10_000, generator=torch.Generator().manual_seed(1234)).tolist()]
+    pairs = [(a, b) for a, b in pairs if a + b < 90] if cfg.env in ENVIRONMENTS else pairs
     train_pairs, held_out = pairs[cfg.eval_size:], pairs[:cfg.eval_size]
     env = load_env(cfg.env) if cfg.env else None  # (the multi-turn demo evaluates whole episodes)
     return Task(prompts=[addition_prompt(a, b) for a, b in train_pairs], reward=addition_reward, model=demo_model,

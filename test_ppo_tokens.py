@@ -2005,6 +2005,10 @@ def test_the_multi_turn_demo_runs_and_logs_success_by_turn(tmp_path):
     assert set(answers.values()) == {32, 42, 52}
     # a neighbour keeps the number of digits and is never negative (else the other side); below 10 it may gain one
     assert [pt.neighbour(n, d) for n, d in ((95, 10), (12, -10), (5, -10), (5, 10), (50, -10))] == [85, 22, 15, 15, 40]
+    game, one_turn = (pt.addition_task(pt.make_config(**flags)) for flags in ({"env": "demo"}, {}))
+    sums = [sum(map(int, p.rstrip("=").split("+"))) for p in game.prompts + game.evaluate.keywords["texts"]]
+    assert max(sums) == 89 and len(game.evaluate.keywords["texts"]) == 1000  # (the tens digit: the answer's first)
+    assert len(one_turn.prompts) == 9000 and max(sum(map(int, p.rstrip("=").split("+"))) for p in one_turn.prompts) == 198
     out = run_script([*ENV_RUN, "--output-dir", tmp_path / "run", "--demo-cache", tmp_path / "cache"], tmp_path)
     before, *records = read_metrics(tmp_path / "run")
     assert "--response-length 16" in out and "turn1" in out and "second_try" in out
@@ -2610,7 +2614,7 @@ def test_presets_change_defaults_before_the_flags_and_never_replace_a_flag_given
     assert "preset" not in capsys.readouterr().out  # nothing taken from it
     env = pt.parse_config(["--env", "demo"])  # the multi-turn demo: clip-higher and a stronger KL keep it exploring
     assert (env.steps, env.kl_coef, env.clip_range_high, env.demo_warmup_steps, env.temperature) == \
-        (150, 0.1, 0.28, 1300, 1.0)
+        (100, 0.1, 0.28, 1300, 1.0)
     assert env.response_length == 16 and pt.make_config(env="demo", max_turns=3).response_length == 28
     assert pt.make_config(env="demo", advantage="grpo").steps == 800  # the critic-free demo's (its one pass)
     assert pt.parse_config(["--env", "demo", "--kl-coef", "0.02"]).kl_coef == 0.02  # equal to Config's: kept
