@@ -1235,7 +1235,7 @@ def memory_parts(cfg: Config, device, world: int, policy, reward_model) -> dict:
     if cfg.lora_rank:  # fp32 adapters (+ gradients, Adam: 16 bytes) of each adapted layer; one shared base
         names = None if cfg.lora_targets == "all-linear" else lora_targets(cfg)
         adapted = [m for name, m in backbone_of(policy).named_modules() if isinstance(m, nn.Linear) and
-                   (names is None or name.rpartition(".")[2] in names)]
+                   (names is None or lora_matches(name, names))]
         n_lora = cfg.lora_rank * sum(m.in_features + m.out_features for m in adapted)
         head = count([policy.get_output_embeddings()])  # fp32 (lora_models; tied: the embedding with it)
         return {"base": base * n + (4 - base) * head, "policy adapters+grads+Adam": 16 * n_lora,
@@ -1357,7 +1357,7 @@ def lora_models(policy, cfg: Config, dtype):
         except ValueError as e:  # (no module matched --lora-targets)
             raise SystemExit(f"--lora-targets {cfg.lora_targets}: {str(e).splitlines()[0]}")
     adapted = [name for name, m in policy.named_modules() if hasattr(m, "lora_A")]
-    missing = [t for t in lora_targets(cfg) if not any(n == t or n.endswith("." + t) for n in adapted)] \
+    missing = [t for t in lora_targets(cfg) if not any(lora_matches(n, [t]) for n in adapted)] \
         if cfg.lora_targets != "all-linear" else []  # (peft needs one name to match, not each)
     if missing:
         raise SystemExit(f"--lora-targets: no linear layer of the model is named {', '.join(missing)}")
@@ -1366,6 +1366,10 @@ def lora_models(policy, cfg: Config, dtype):
 
 def lora_targets(cfg: Config):  # peft's target_modules: 'all-linear', or the names given
     return cfg.lora_targets if cfg.lora_targets == "all-linear" else [t.strip() for t in cfg.lora_targets.split(",")]
+
+
+def lora_matches(name: str, targets) -> bool:  # peft's rule for a list of target_modules: the name, or a dotted suffix
+    return any(name == t or name.endswith("." + t) for t in targets)
 
 
 def shared_copy(model):  # the module tree again over the same parameters: no weight is copied
@@ -1807,8 +1811,9 @@ def run_episodes(decoder, envs, texts, seeds, tokenizer, cfg: Config, pool=None,
 
 def sampler_copy(policy, dtype):  # the sampler's inference copy of the policy: bf16 on GPU, else dtype; no gradients
     sampler = copy.deepcopy(policy)
-    if policy.device.type == "cpu":  # torch's CPU bf16 linear of a strided input (logits_to_keep's (B, 1, H) slice)
-        # allocates ~15 bytes a weight for a moment: +2 GiB at every prefill for Qwen2.5-0.5B's 152k-token head
+    if policy.device.type == "cpu" and dtype == torch.bfloat16:  # torch's CPU bf16 linear of a strided input
+        # (logits_to_keep's (B, 1, H) slice) allocates ~15 bytes a weight for a moment: +2 GiB at every prefill for
+        # Qwen2.5-0.5B's 152k-token head (fp32: no; and its rounding, unlike a copy's, is what fp32 runs have)
         sampler.get_output_embeddings().register_forward_pre_hook(lambda head, args: (args[0].contiguous(),))
     dtype = torch.bfloat16 if policy.device.type == "cuda" else dtype  # (one dtype: its weights are one flat buffer)
     return cast_parameters(sampler, dtype).requires_grad_(False)

@@ -1244,6 +1244,9 @@ def test_memory_line_counts_each_part_and_a_run_that_cannot_fit_stops_before_loa
         line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("memory on cpu"))
         shown = ", ".join(f"{k} {v / 2**20:.2f}" for k, v in parts.items())
         assert line.endswith(f"MiB: {shown} = {sum(parts.values()) / 2**20:.2f} of {capacity / 2**20:.0f}")
+    q = dataclasses.replace(pt.parse_config(argv), lora_rank=4, lora_targets="self_attn.q_proj")  # (peft's suffix rule)
+    n_q = sum(layer.self_attn.q_proj.in_features + layer.self_attn.q_proj.out_features for layer in model.model.layers)
+    assert pt.memory_parts(q, torch.device("cpu"), 1, model, rm)["policy adapters+grads+Adam"] == 16 * 4 * n_q > 0
     fsdp = dataclasses.replace(pt.parse_config(argv), fsdp=True)  # FSDP2 at 2 ranks: all but the sampler sharded
     halves = {k: v if k == "sampler+staging" else v / 2 for k, v in full.items()}
     assert {k: v for k, v in pt.memory_parts(fsdp, torch.device("cpu"), 2, model, rm).items() if v} == halves
@@ -2008,7 +2011,8 @@ def test_the_multi_turn_demo_runs_and_logs_success_by_turn(tmp_path):
     game, one_turn = (pt.addition_task(pt.make_config(**flags)) for flags in ({"env": "demo"}, {}))
     sums = [sum(map(int, p.rstrip("=").split("+"))) for p in game.prompts + game.evaluate.keywords["texts"]]
     assert max(sums) == 89 and len(game.evaluate.keywords["texts"]) == 1000  # (the tens digit: the answer's first)
-    assert len(one_turn.prompts) == 9000 and max(sum(map(int, p.rstrip("=").split("+"))) for p in one_turn.prompts) == 198
+    assert len(one_turn.prompts) == 9000
+    assert max(sum(map(int, p.rstrip("=").split("+"))) for p in one_turn.prompts) == 198
     out = run_script([*ENV_RUN, "--output-dir", tmp_path / "run", "--demo-cache", tmp_path / "cache"], tmp_path)
     before, *records = read_metrics(tmp_path / "run")
     assert "--response-length 16" in out and "turn1" in out and "second_try" in out
@@ -2642,8 +2646,8 @@ def test_help_lists_every_config_field():
     for f in pt.dataclasses.fields(pt.Config):
         assert "--" + f.name.replace("_", "-") in out
     assert "PPO ratio clip epsilon" in out
-    assert "(default: 300; --model: 1000; multi-turn demo: 150; critic-free demo: 800)" in " ".join(out.split())
-    assert "multi-turn demo: --steps 150, --response-length 16" in out  # the presets, whole
+    assert "(default: 300; --model: 1000; multi-turn demo: 100; critic-free demo: 800)" in " ".join(out.split())
+    assert "multi-turn demo: --steps 100, --response-length 16" in out  # the presets, whole
 
 
 def exit_of(argv, capsys):  # (exit status, message) of the real entry point, in-process
