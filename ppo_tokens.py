@@ -1204,14 +1204,14 @@ def plan_memory(cfg: Config, device, world: int, policy, reward_model):
     unit, size = ("GiB", gib) if total >= gib else ("MiB", 2**20)
     shown = ", ".join(f"{k} {v / size:.2f}" for k, v in parts.items() if v)
     print(f"memory on {device} before activations, {unit}: {shown} = {total / size:.2f} of {capacity / size:.0f}")
-    if total > capacity:
-        lora = sum(memory_parts(dataclasses.replace(cfg, lora_rank=16), device, world, policy, reward_model).values())
+    if total > capacity:  # what the run would need with another flag (the same parts)
+        needs = lambda **flag: sum(memory_parts(dataclasses.replace(cfg, **flag), device, world, policy,  # noqa: E731
+                                                reward_model).values())
+        lora, offload = needs(lora_rank=16), needs(offload=True)
         sharded = shards_frozen(dataclasses.replace(cfg, fsdp=True), device)  # (whether --fsdp shards them too)
         whole = ("sampler+staging",) + (() if sharded else ("reference", "reward model"))  # what --fsdp cannot shard
         held = sum(v for k, v in parts.items() if k in whole)
         fits = [f"--lora-rank 16 (~{lora / gib:.0f} GiB)"] if not cfg.lora_rank and lora < capacity else []
-        offload = dataclasses.replace(cfg, offload=True)
-        offload = sum(memory_parts(offload, device, world, policy, reward_model).values())
         fits += [f"--offload (~{offload / gib:.0f} GiB)"] if device.type == "cuda" and offload < capacity else []
         if capacity > held and not cfg.lora_rank:  # FSDP2 over N GPUs: the rest sharded, beside what it cannot shard
             gpus = math.ceil((total - held) * (world if cfg.fsdp else 1) / (capacity - held))
@@ -1390,7 +1390,7 @@ def offload_layers(model, cfg: Config, device):
     """--offload: a frozen model's decoder layers in pinned host memory (sharded under --fsdp: FSDP2's
     CPUOffloadPolicy instead); each comes in for its forward and its device copy is dropped after, so the GPU holds
     one layer (and the embeddings, the head). The caching allocator frees in stream order: no sync is needed."""
-    if not cfg.offload or (cfg.fsdp and shards_frozen(cfg, device)):
+    if not cfg.offload or (torch.distributed.is_initialized() and shards_frozen(cfg, device)):  # (start_training's)
         return model
     for layer in decoder_layers(model):
         layer.host_weights = [p.data.cpu().pin_memory() for p in layer.parameters()]  # (a copy keeps its own)
@@ -1412,7 +1412,8 @@ def layer_to_host(layer):  # and back: the device copies dropped
 
 def offload_moments(optimizer):
     """--offload: Adam's moments (8 bytes a trained parameter) in pinned host memory except during each step, as
-    verl's optimizer offload: generation, scoring and the backward have that memory; the step's peak holds them."""
+    verl's optimizer offload: the trainer's forwards and backward have that memory (not the sampler, whose stream
+    does not reuse the trainer's cached blocks); the step's peak holds them."""
     from torch.distributed.tensor import DTensor
     pinned = {}  # (parameter, moment) -> its pinned host buffer, reused at every step
 
@@ -2099,11 +2100,12 @@ def start_training(cfg: Config, run, output_dir: str, threaded, ctx: Dist) -> Tr
     if torch.distributed.is_initialized():  # (a thread's collectives on the trainer's group could interleave)
         t.sampler_group = torch.distributed.new_group(backend="gloo")
     if sharded and shards_frozen(cfg, device):  # each rank holds 1 / world of them; a forward gathers the rest
-        t.frozen_group = t.sampler_group if device.type == "cpu" else torch.distributed.new_group(backend="nccl")
+        # (CUDA: the trainer's own group, as they run inline, between its collectives; gloo: the producer's)
+        t.frozen_group = t.sampler_group if device.type == "cpu" else torch.distributed.group.WORLD
+        from torch.distributed.fsdp import CPUOffloadPolicy
+        offload = {"offload_policy": CPUOffloadPolicy()} if cfg.offload else {}  # (pinned; gathered as used)
         for model in (run.reference, run.reward_model):
             if model is not None:
-                from torch.distributed.fsdp import CPUOffloadPolicy
-                offload = {"offload_policy": CPUOffloadPolicy()} if cfg.offload else {}  # (pinned; gathered as used)
                 fsdp_shard(model, t.frozen_group, reshard_after_forward=True, **offload)  # (the root too: it waits)
         print(f"reference{' and reward model' if run.reward_model else ''} sharded over {ctx.world} ranks (FSDP2)")
     elif sharded:

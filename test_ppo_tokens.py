@@ -3333,7 +3333,7 @@ def test_cuda_torchrun_nccl(tmp_path, flags):  # fsdp-offload: the sharded refer
         out = torchrun([digest_script(tmp_path), *CUDA_LOOP, "--micro-batch-size", "4", *flags,
                         "--output-dir", str(tmp_path / f"run{nproc}")], tmp_path, nproc=nproc).stdout
         assert len(set(digests(out))) == 1
-        assert (f"reference sharded over {nproc} ranks (FSDP2)" in out) == ("--fsdp" in flags)  # (NCCL: its own group)
+        assert (f"reference sharded over {nproc} ranks (FSDP2)" in out) == ("--fsdp" in flags)  # (WORLD: inline)
         cuda_records(tmp_path / f"run{nproc}", 3)
 
 
