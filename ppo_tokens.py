@@ -1209,7 +1209,7 @@ def plan_memory(cfg: Config, device, world: int, policy, reward_model):
                                                 reward_model).values())
         lora, offload = needs(lora_rank=16), needs(offload=True)
         sharded = shards_frozen(dataclasses.replace(cfg, fsdp=True), device)  # (whether --fsdp shards them too)
-        whole = ("sampler+staging",) + (() if sharded else ("reference", "reward model"))  # what --fsdp cannot shard
+        whole = ("sampler",) + (() if sharded else ("reference", "reward model"))  # what --fsdp cannot shard
         held = sum(v for k, v in parts.items() if k in whole)
         fits = [f"--lora-rank 16 (~{lora / gib:.0f} GiB)"] if not cfg.lora_rank and lora < capacity else []
         fits += [f"--offload (~{offload / gib:.0f} GiB)"] if device.type == "cuda" and offload < capacity else []
@@ -1225,7 +1225,7 @@ def memory_parts(cfg: Config, device, world: int, policy, reward_model) -> dict:
     n, shards, critic = count([policy]), world if cfg.fsdp else 1, ADVANTAGES[cfg.advantage].critic  # FSDP2: shards
     frozen = torch.finfo(getattr(torch, cfg.dtype)).bits // 8  # bytes a parameter of the frozen models
     base = torch.finfo(trained_dtype(cfg)).bits // 8  # (--lora-rank: the base's bytes a parameter; else fp32)
-    sampler = 2 * (2 if device.type == "cuda" else base) * n  # its weights and WeightSync's staging copy (GPU: bf16)
+    sampler = (1 + (cfg.max_staleness > 0)) * (2 if device.type == "cuda" else base) * n  # (+ WeightSync's staging)
     frozen /= shards if shards_frozen(cfg, device) and not cfg.offload else 1  # (FSDP2: the frozen models sharded)
 
     def held(model):  # a frozen model's bytes here; --offload: outside its decoder layers, and one layer at a time
@@ -1239,12 +1239,12 @@ def memory_parts(cfg: Config, device, world: int, policy, reward_model) -> dict:
         n_lora = cfg.lora_rank * sum(m.in_features + m.out_features for m in adapted)
         head = count([policy.get_output_embeddings()])  # fp32 (lora_models; tied: the embedding with it)
         return {"base": base * n + (4 - base) * head, "policy adapters+grads+Adam": 16 * n_lora,
-                "critic adapters+grads+Adam": 16 * n_lora * critic, "reward model": reward, "sampler+staging": sampler}
+                "critic adapters+grads+Adam": 16 * n_lora * critic, "reward model": reward, "sampler": sampler}
     n_critic, adam = count([backbone_of(policy)]) * critic, 0 if cfg.offload else 8  # (--offload: in for its step)
     return {"policy": 4 * n / shards, "policy grads+Adam": (4 + adam) * n / shards,  # fp32: 4 + 4 + 8 bytes
             "critic": 4 * n_critic / shards, "critic grads+Adam": (4 + adam) * n_critic / shards,
             "Adam at a step": (8 - adam) * max(n, n_critic) / shards,  # --offload: one model's moments at a time
-            "reference": held(policy), "reward model": reward, "sampler+staging": sampler}
+            "reference": held(policy), "reward model": reward, "sampler": sampler}
 
 
 PAD_TOKEN = "<|ppo_tokens_pad|>"
@@ -1835,13 +1835,15 @@ def flatten_parameters(model):  # every parameter becomes a view of one flat buf
 
 class WeightSync:
     """Trainer -> sampler weights through a staging buffer, so the trainer updates on while the sampler still
-    generates with the previous version; the lock covers one copy (~1 ms), never a decode."""
+    generates with the previous version; the lock covers one copy (~1 ms), never a decode. direct (--max-staleness 0):
+    the sampler never generates while the trainer publishes, so a publish writes the sampler's weights (no staging
+    copy: a model's worth of memory less)."""
 
-    def __init__(self, policy, sampler, sharded=False, merged=None):
+    def __init__(self, policy, sampler, sharded=False, merged=None, direct=False):
         self.policy, self.merged = policy, merged  # merged: () -> the sampler's weights, one by one (--lora-rank)
         self.sampler_flat = flatten_parameters(sampler)
         self.trainer_flat = None if sharded or merged else flatten_parameters(policy)
-        self.staging = self.sampler_flat.clone()
+        self.staging = self.sampler_flat if direct else self.sampler_flat.clone()
         self.cuda = self.sampler_flat.is_cuda
         self.lock = threading.Condition()
         self.version = 0  # the newest published
@@ -1874,7 +1876,7 @@ class WeightSync:
 
     def pull(self) -> int:  # sampler thread, between batches (or decode steps): take the newest version
         with self.lock:
-            if self.version != self.sampler_version:
+            if self.version != self.sampler_version and self.staging is not self.sampler_flat:
                 self._copy("pull", self.sampler_flat, self.staging)  # every sampler parameter is a view of it
                 self.sampler_version = self.version
             return self.sampler_version
@@ -2052,7 +2054,7 @@ def start_training(cfg: Config, run, output_dir: str, threaded, ctx: Dist) -> Tr
     # FSDP2: the task evaluates a full copy of its own, not the sampler, which its thread uses and updates
     evaluator = copy.deepcopy(sampler) if sharded and run.task.evaluate is not None and ctx.rank == 0 else None
     merged = None if base is None else functools.partial(merged_weights, policy, base)
-    sync = WeightSync(policy, sampler, sharded, merged)  # packs the weights
+    sync = WeightSync(policy, sampler, sharded, merged, direct=cfg.max_staleness == 0)  # packs the weights
     if evaluator is not None:  # its parameters become views of the published weights, which only this thread writes
         torch.nn.utils.vector_to_parameters(sync.staging, evaluator.parameters())
     trained = [m for m in (policy, run.critic) if m is not None]

@@ -1235,9 +1235,9 @@ def test_memory_line_counts_each_part_and_a_run_that_cannot_fit_stops_before_loa
     capacity = pt.device_memory(torch.device("cpu"))
     full = {"policy": 4 * n, "policy grads+Adam": 12 * n, "critic": 4 * n_backbone,
             "critic grads+Adam": 12 * n_backbone, "reference": 4 * n, "reward model": 4 * n_rm,
-            "sampler+staging": 8 * n}  # (fp32 frozen models on a CPU)
+            "sampler": 4 * n}  # (fp32 frozen models on a CPU; --max-staleness 0: no staging copy)
     lora = {"base": 4 * n, "policy adapters+grads+Adam": 16 * 4 * n_lora, "critic adapters+grads+Adam": 16 * 4 * n_lora,
-            "reward model": 4 * n_rm, "sampler+staging": 8 * n}  # (rank 4: 4 x (in + out) a linear layer)
+            "reward model": 4 * n_rm, "sampler": 4 * n}  # (rank 4: 4 x (in + out) a linear layer)
     for flags, parts in (([], full), (["--lora-rank", "4"], lora)):
         with pytest.raises(SystemExit, match="loaded"):
             pt.setup(pt.parse_config([*argv, *flags]))
@@ -1248,11 +1248,12 @@ def test_memory_line_counts_each_part_and_a_run_that_cannot_fit_stops_before_loa
     n_q = sum(layer.self_attn.q_proj.in_features + layer.self_attn.q_proj.out_features for layer in model.model.layers)
     assert pt.memory_parts(q, torch.device("cpu"), 1, model, rm)["policy adapters+grads+Adam"] == 16 * 4 * n_q > 0
     fsdp = dataclasses.replace(pt.parse_config(argv), fsdp=True)  # FSDP2 at 2 ranks: all but the sampler sharded
-    halves = {k: v if k == "sampler+staging" else v / 2 for k, v in full.items()}
+    halves = {k: v if k == "sampler" else v / 2 for k, v in full.items()}
     assert {k: v for k, v in pt.memory_parts(fsdp, torch.device("cpu"), 2, model, rm).items() if v} == halves
     stale = dataclasses.replace(fsdp, max_staleness=1)  # CUDA's sampler thread: the frozen models stay whole
     gpu = torch.device("cuda")
     assert pt.memory_parts(stale, gpu, 2, model, rm)["reference"] == 4 * n
+    assert pt.memory_parts(stale, gpu, 2, model, rm)["sampler"] == 2 * 2 * n  # bf16, and the publish's staging copy
     offload = dataclasses.replace(pt.parse_config(argv), offload=True)  # a GPU's: Adam in for its step, one layer
     layers, layer = (sum(p.numel() for p in m.parameters()) for m in (model.model.layers, model.model.layers[0]))
     parts = pt.memory_parts(offload, gpu, 1, model, rm)  # (of each frozen model and its embeddings)
@@ -1263,7 +1264,7 @@ def test_memory_line_counts_each_part_and_a_run_that_cannot_fit_stops_before_loa
     with pytest.raises(SystemExit, match=r"try --lora-rank 16 \(~0 GiB\) or --offload \(~0 GiB\) or sharding"):
         pt.plan_memory(pt.parse_config(argv), gpu, 1, model, rm)
     loaded.clear()
-    lora_16, held = sum(lora.values()) + 2 * 16 * 12 * n_lora, 8 * n  # (rank 16: 4 times the adapters)
+    lora_16, held = sum(lora.values()) + 2 * 16 * 12 * n_lora, 4 * n  # (rank 16: 4 times the adapters)
     small = (lora_16 + sum(full.values())) // 2  # a device that holds the run with --lora-rank 16, not without
     monkeypatch.setattr(pt, "device_memory", lambda device: small)
     gpus = math.ceil((sum(full.values()) - held) / (small - held))  # all but the sampler, sharded over the room left
@@ -1272,7 +1273,7 @@ def test_memory_line_counts_each_part_and_a_run_that_cannot_fit_stops_before_loa
                                          rf"\(torchrun --nproc_per_node {gpus} \.\.\. --fsdp\) or a smaller model$"):
         pt.setup(pt.parse_config(argv))
     assert not loaded and gpus > 1  # stopped before the policy loaded
-    monkeypatch.setattr(pt, "device_memory", lambda device: 6 * n)  # not even the sampler's two copies fit
+    monkeypatch.setattr(pt, "device_memory", lambda device: 3 * n)  # not even the sampler fits
     with pytest.raises(SystemExit, match=r"more than its 0 GiB: try a smaller model$"):
         pt.setup(pt.parse_config(argv))
 
@@ -1316,8 +1317,9 @@ def test_lora_trains_only_adapters_and_the_value_head_over_one_base_that_is_the_
     t = pt.start_training(cfg, run, str(tmp_path / "again"), False, pt.Dist())  # a sampler copy, published to
     sampler = dict(t.decoder.model.named_parameters())  # (the static decoder's model)
     t.close()
-    held = 2 * t.sync.staging.numel() * t.sync.staging.element_size()  # the sampler's weights and their staging copy
-    assert held == pt.memory_parts(cfg, torch.device("cpu"), 1, run.reference.policy, None)["sampler+staging"]
+    held = t.sync.sampler_flat.numel() * t.sync.sampler_flat.element_size()  # (--max-staleness 0: no staging copy)
+    assert t.sync.staging is t.sync.sampler_flat and t.sync.seconds["pull"] == 0
+    assert held == pt.memory_parts(cfg, torch.device("cpu"), 1, run.reference.policy, None)["sampler"]
     saved = dict(AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "policy").named_parameters())
     adapted = PeftModel.from_pretrained(pt.build_demo_policy(run.tokenizer, cfg.seed, 32, 1), tmp_path / "run" /
                                         "policy_adapter").merge_and_unload()
@@ -1347,9 +1349,9 @@ def test_lora_bf16_over_a_tied_embedding_trains_and_its_sampler_is_one_bf16_buff
     assert len(pt.train(cfg, run, str(tmp_path / "run"), threaded=False)) == 3  # (it ran: the reference scored)
     t = pt.start_training(cfg, run, str(tmp_path / "again"), False, pt.Dist())
     t.close()
-    held = 2 * t.sync.staging.numel() * t.sync.staging.element_size()
-    assert t.sync.staging.dtype == torch.bfloat16
-    assert held == pt.memory_parts(cfg, torch.device("cpu"), 1, run.reference.policy, None)["sampler+staging"]
+    held = t.sync.sampler_flat.numel() * t.sync.sampler_flat.element_size()
+    assert t.sync.sampler_flat.dtype == torch.bfloat16 and t.sync.staging is t.sync.sampler_flat
+    assert held == pt.memory_parts(cfg, torch.device("cpu"), 1, run.reference.policy, None)["sampler"]
 
 
 def test_model_directory_prompts_file_and_reward_function(tmp_path, tokenizer):
