@@ -1238,8 +1238,12 @@ def memory_parts(cfg: Config, device, world: int, policy, reward_model) -> dict:
                    (names is None or lora_matches(name, names))]
         n_lora = cfg.lora_rank * sum(m.in_features + m.out_features for m in adapted)
         head = count([policy.get_output_embeddings()])  # fp32 (lora_models; tied: the embedding with it)
-        return {"base": base * n + (4 - base) * head, "policy adapters+grads+Adam": 16 * n_lora,
-                "critic adapters+grads+Adam": 16 * n_lora * critic, "reward model": reward, "sampler": sampler}
+        trees = {"base": base * n + (4 - base) * head}  # (FSDP2 gives each tree shards of its own: 3 / world)
+        if shards > 1:
+            trees = {"policy base": trees["base"] / shards, "critic base": trees["base"] / shards * critic,
+                     "reference": trees["base"] / (shards if shards_frozen(cfg, device) else 1)}
+        return {**trees, "policy adapters+grads+Adam": 16 * n_lora / shards,
+                "critic adapters+grads+Adam": 16 * n_lora * critic / shards, "reward model": reward, "sampler": sampler}
     n_critic, adam = count([backbone_of(policy)]) * critic, 0 if cfg.offload else 8  # (--offload: in for its step)
     return {"policy": 4 * n / shards, "policy grads+Adam": (4 + adam) * n / shards,  # fp32: 4 + 4 + 8 bytes
             "critic": 4 * n_critic / shards, "critic grads+Adam": (4 + adam) * n_critic / shards,
@@ -1376,12 +1380,17 @@ def shared_copy(model):  # the module tree again over the same parameters: no we
     return copy.deepcopy(model, memo={id(p): p for p in model.parameters()})
 
 
-def merged_weights(policy, reference):  # --lora-rank: the reference's parameters, each weight + its adapter's B A s
-    from peft.tuners.lora import LoraLayer
-    layers = {name: m for name, m in policy.named_modules() if isinstance(m, LoraLayer)}
-    for name, p in reference.named_parameters():
-        layer = layers.get(name.removesuffix(".weight"))
-        yield p if layer is None else p + layer.get_delta_weight(layer.active_adapters[0])
+def merged_weights(policy):
+    """--lora-rank: the base's weights in its own order (the sampler's), each adapted one + its adapter's s B A; whole
+    (FSDP2: each gathered from the shards, a collective: every rank iterates it)."""
+    from torch.distributed.tensor import DTensor
+    for name, p in policy.named_parameters():
+        if ".lora_" in name:  # (an adapter's own weights)
+            continue
+        if name.endswith(".base_layer.weight"):  # an adapted layer's
+            layer = policy.get_submodule(name.removesuffix(".base_layer.weight"))
+            p = p + layer.get_delta_weight(layer.active_adapters[0])
+        yield p.full_tensor() if isinstance(p, DTensor) else p
 
 
 # --offload (CUDA): what waits on the GPU between its uses waits in pinned host memory, brought in non-blocking
@@ -2053,7 +2062,7 @@ def start_training(cfg: Config, run, output_dir: str, threaded, ctx: Dist) -> Tr
     sharded = cfg.fsdp and torch.distributed.is_initialized()
     # FSDP2: the task evaluates a full copy of its own, not the sampler, which its thread uses and updates
     evaluator = copy.deepcopy(sampler) if sharded and run.task.evaluate is not None and ctx.rank == 0 else None
-    merged = None if base is None else functools.partial(merged_weights, policy, base)
+    merged = None if base is None else functools.partial(merged_weights, policy)
     sync = WeightSync(policy, sampler, sharded, merged, direct=cfg.max_staleness == 0)  # packs the weights
     if evaluator is not None:  # its parameters become views of the published weights, which only this thread writes
         torch.nn.utils.vector_to_parameters(sync.staging, evaluator.parameters())
@@ -2334,15 +2343,19 @@ def save_policy(t: Training, path: str):
     from torch.distributed.checkpoint import state_dict as dcp_state
     from transformers.utils import logging
     options = dcp_state.StateDictOptions(full_state_dict=True, cpu_offload=True)  # rank 0 receives them, on the CPU
-    state = dcp_state.get_model_state_dict(t.actor, options=options) if not t.run.lora else None
+    if t.run.lora:  # the adapters (the trained weights) and the merged weights, in the base's tree
+        options = dataclasses.replace(options, ignore_frozen_params=True)
+        with torch.no_grad():
+            merged = [w.cpu() if t.ctx.rank == 0 else None for w in merged_weights(t.run.policy)]
+    state = dcp_state.get_model_state_dict(t.actor, options=options)
     if t.ctx.rank == 0:
         logging.disable_progress_bar()  # no "Writing model shards" bar at every checkpoint
-        model, base = t.run.policy, t.run.reference.policy
-        if t.run.lora:  # the base's tree with merged weights; the adapters alone beside it, for peft
-            with torch.no_grad():
-                state = {k: w.cpu() for (k, _), w in zip(base.named_parameters(), merged_weights(model, base))}
-            model = base
-            t.run.lora.save_pretrained(path + "_adapter", save_embedding_layers=False)  # (the base is frozen)
+        model = t.run.policy
+        if t.run.lora:  # policy/: the base's tree with merged weights; policy_adapter/: the adapters, for peft
+            t.run.lora.save_pretrained(path + "_adapter", save_embedding_layers=False, state_dict={  # (base frozen)
+                "base_model.model." + k.removeprefix("policy."): v for k, v in state.items()})
+            model = t.run.reference.policy
+            state = {k: w for (k, _), w in zip(model.named_parameters(), merged)}
         else:  # cloned: the trainer's parameters are views into one flat buffer (safetensors: shared memory)
             state = {k.removeprefix("policy."): v.detach().clone() for k, v in state.items()}
         model.save_pretrained(path, state_dict=state)
@@ -2660,8 +2673,6 @@ def check_config(cfg: Config):
                (not cfg.lora_rank or importlib.util.find_spec("peft"), "--lora-rank needs peft: pip install peft"),
                (cfg.lora_alpha > 0, f"--lora-alpha must be > 0 (got {cfg.lora_alpha}): the adapters' scale is "
                 "alpha / rank"),
-               (not (cfg.lora_rank and cfg.fsdp), "--lora-rank with --fsdp is not supported yet (the sampler's merged "
-                "weights need the whole base on each rank): drop --fsdp (torchrun: DDP)"),
                (not (cfg.env and (cfg.reward or cfg.reward_model)),
                 "--env gives the rewards (each step's): drop --reward / --reward-model"),
                (cfg.task or cfg.reward or cfg.reward_model or cfg.env or cfg.bench_rollout,  # (the benchmark: none)

@@ -1250,6 +1250,9 @@ def test_memory_line_counts_each_part_and_a_run_that_cannot_fit_stops_before_loa
     fsdp = dataclasses.replace(pt.parse_config(argv), fsdp=True)  # FSDP2 at 2 ranks: all but the sampler sharded
     halves = {k: v if k == "sampler" else v / 2 for k, v in full.items()}
     assert {k: v for k, v in pt.memory_parts(fsdp, torch.device("cpu"), 2, model, rm).items() if v} == halves
+    trees = {"policy base": 2 * n, "critic base": 2 * n, "reference": 2 * n}  # LoRA: each tree's shards of the base
+    assert pt.memory_parts(dataclasses.replace(fsdp, lora_rank=4), torch.device("cpu"), 2, model, rm) == {
+        **trees, **{k: v if k == "sampler" else v / 2 for k, v in lora.items() if k != "base"}}
     stale = dataclasses.replace(fsdp, max_staleness=1)  # CUDA's sampler thread: the frozen models stay whole
     gpu = torch.device("cuda")
     assert pt.memory_parts(stale, gpu, 2, model, rm)["reference"] == 4 * n
@@ -2452,27 +2455,38 @@ def test_torchrun_an_environment_that_fails_on_one_rank_stops_every_rank_with_it
 
 
 @slow
+@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")  # (peft's from_pretrained)
 def test_torchrun_critic_free_ddp_and_fsdp2_train_and_resume(tmp_path):
     write_reward_module(tmp_path)
     base = [digest_script(tmp_path), *LOOP, "--steps", "3", "--save-every", "2", "--samples-per-prompt", "4"]
     # with micro-batches every row is scored and updated (the ranks' micro-batch counts agree); without, the dropped
     # flat groups skip their forwards, so the ranks' row counts differ
-    # rloo: also LoRA under DDP (adapters synchronised, the merged weights published and resumed alike on both ranks)
+    # rloo: LoRA under DDP and under FSDP2 (adapters synchronised or sharded, the merged weights published and resumed
+    # alike on both ranks; FSDP2's: gathered from the shards, and equal to DDP's up to the order of the reductions)
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
     for name, more in (("rloo", ["--micro-batch-size", "2", "--lora-rank", "4"]),
-                       ("grpo", ["--fsdp", "--micro-batch-size", "2"]),
+                       ("rloo-fsdp", ["--fsdp", "--micro-batch-size", "2", "--lora-rank", "4"]),
                        ("grpo-skip", ["--fsdp", "--micro-batch-size", "0"])):
         out_dir = tmp_path / name
-        full = digests(torchrun([*base, "--advantage", name[:4], *more, "--output-dir", str(out_dir)],
-                                tmp_path).stdout)
-        saved = saved_keys(pt.checkpoints(out_dir)[-1])
+        out = torchrun([*base, "--advantage", name[:4], *more, "--output-dir", str(out_dir)], tmp_path).stdout
+        full, saved = digests(out), saved_keys(pt.checkpoints(out_dir)[-1])
         assert full[0] == full[1] and not any(k.startswith("critic") for k in saved)
-        if name == "rloo":  # LoRA: a checkpoint holds the adapters (and their Adam states), not the frozen base
+        assert sum(r.get("zero_std_groups", 0) for r in read_metrics(out_dir)) > 0  # (flat groups were dropped)
+        if name.startswith("rloo"):  # LoRA: a checkpoint holds the adapters (and their Adam states), not the base
             actor = [k for k in saved if k.startswith("actor.")]  # (the weights; actor_optimizer: their Adam states)
             assert actor and all("lora_" in k for k in actor)
-        assert sum(r.get("zero_std_groups", 0) for r in read_metrics(out_dir)) > 0  # (flat groups were dropped)
-        if name == "rloo":  # (FSDP2's resume: test_torchrun_two_ranks_ddp_and_fsdp2_train_resume_and_stay_identical)
             resumed = torchrun([base[0], "--resume", str(pt.checkpoints(out_dir)[0])], tmp_path).stdout
             assert "step-00000002 after iteration 2/3" in resumed and digests(resumed) == full, name
+        if name == "rloo-fsdp":  # (FSDP2's resume without LoRA: test_torchrun_two_ranks_ddp_and_fsdp2_train_...)
+            assert "reference sharded over 2 ranks (FSDP2)" in out  # (the base's tree, adapters off)
+            ddp, fsdp = (AutoModelForCausalLM.from_pretrained(tmp_path / d / "policy") for d in ("rloo", name))
+            adapted = PeftModel.from_pretrained(pt.build_demo_policy(pt.build_demo_tokenizer(), seed=1),
+                                                out_dir / "policy_adapter").merge_and_unload()
+            for (key, a), b, c in zip(ddp.state_dict().items(), fsdp.state_dict().values(),
+                                      adapted.state_dict().values(), strict=True):
+                torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, msg=key)
+                torch.testing.assert_close(c, b, rtol=0, atol=1e-6, msg=key)  # policy_adapter/ on the base: policy/
 
 
 @slow
@@ -2713,7 +2727,6 @@ def test_bad_input_is_refused_with_one_clear_line(tmp_path, capsys, monkeypatch,
              ([*base, "--lora-rank", "4", "--lora-targets", "q_proj, nosuch_proj"], 1,
               "no linear layer of the model is named nosuch_proj"),
              ([*base, "--lora-rank", "4", "--lora-alpha", "0"], 2, "--lora-alpha must be > 0 (got 0.0)"),
-             ([*base, "--lora-rank", "4", "--fsdp"], 2, "--lora-rank with --fsdp is not supported yet"),
              ([*base, "--offload"], 1, "--offload moves what waits on a GPU to the host; this run is on cpu")]
     if not torch.cuda.is_available():
         cases.append(([*base, "--device", "cuda"], 2, "--device cuda: CUDA is not available here; use --device cpu"))
