@@ -833,7 +833,9 @@ def gather_shards(params, out):
     for p, piece in zip(params, shards.split(widths)):
         piece[:p.to_local().numel()].copy_(p.to_local().reshape(-1))
     gathered = out.new_empty(world, shards.numel())
-    torch.distributed.all_gather_into_tensor(gathered.view(-1), shards)  # (gloo wants a flat output)
+    # all_gather_single: torch 2.13's name for all_gather_into_tensor (which warns there); gloo wants a flat output
+    gather = getattr(torch.distributed, "all_gather_single", None) or torch.distributed.all_gather_into_tensor
+    gather(gathered.view(-1), shards)
     for p, full, view in zip(params, gathered.split(widths, 1), out.split([p.numel() for p in params])):
         view.copy_(full.reshape(-1)[:p.numel()])  # the ranks' pieces in order, their padding at the end
 

@@ -1490,6 +1490,8 @@ def fsdp_shard(model, group=None, **options):  # FSDP2 over group's ranks (None:
     kind = next(model.parameters()).device.type  # a mesh of it: without one, fully_shard moves a CPU run to cuda:0
     world = torch.distributed.get_world_size()
     mesh = DeviceMesh.from_group(group, kind) if group else init_device_mesh(kind, (world,))
+    # (the outputs of Actor and ScalarHeadModel are views, and nothing modifies them in place: only sliced, masked)
+    warnings.filterwarnings("ignore", "FSDP2-wrapped module .* returned a view tensor")
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh, **options)
     return fully_shard(model, mesh=mesh, **options)
