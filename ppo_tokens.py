@@ -641,6 +641,7 @@ def score_frozen(batch: Rollout, reference, cfg: Config, group=None):
     for rows in itertools.chain(*micro_batch_rows(batch, minibatches, cfg, ranks_agree=group is not None, group=group)):
         with autocast(cfg, batch.response.device):  # as the trainer's forwards (--lora-rank: a bf16 base, fp32 head)
             batch.ref_logprobs[rows] = rollout_logprobs(reference, batch.rows(rows), cfg)[0]
+    getattr(reference, "reshard", lambda: None)()  # (as the trainer's models in train())
 
 
 def choose_loss_tokens(batch: Rollout, cfg: Config):
@@ -1633,6 +1634,7 @@ def reward_model_scores(reward_model, rm_tokenizer, policy_tokenizer, batch, use
     for rows in torch.arange(ids.shape[0], device=ids.device).split(micro_batch_size):
         out = reward_model(ids[rows], mask[rows], positions(mask[rows]))  # (b, L)
         scores.append(out.gather(1, last[rows, None]).squeeze(1))
+    getattr(reward_model, "reshard", lambda: None)()  # (older FSDP2 keeps the root gathered after a forward)
     return torch.cat(scores)
 
 
