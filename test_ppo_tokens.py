@@ -1416,15 +1416,10 @@ def bench_workload(directory, seed=0, shape="small", prompt_words=32):
     shape="0.5B": the GPU workload, Qwen2.5-0.5B's shape (hidden 896 x 24 layers, 14 / 2 heads, vocab 151,936, tied
     embeddings, attention biases: on o_proj too, unlike Qwen2) as a Llama (AutoTokenizer would give a qwen2 config
     Qwen2Tokenizer), saved in bf16."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
     big = shape == "0.5B"
-    words = ["<pad>", "<bos>", "<eos>", "<unk>", *(f"w{i}" for i in range((151936 if big else 512) - 4))]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
-                                  unk_token="<unk>", padding_side="left")
-    config = dict(vocab_size=len(words), hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+    tok = word_tokenizer(151936 if big else 512)
+    config = dict(vocab_size=len(tok), hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=4, intermediate_size=688, max_position_embeddings=128, tie_word_embeddings=False,
                   bos_token_id=1, eos_token_id=2, pad_token_id=0)
     if big:
@@ -1437,11 +1432,108 @@ def bench_workload(directory, seed=0, shape="small", prompt_words=32):
     for name, model in built.items():
         model.to(torch.bfloat16 if big else torch.float32).save_pretrained(os.path.join(directory, name))
         tok.save_pretrained(os.path.join(directory, name))
+    word_prompts(os.path.join(directory, "prompts.jsonl"), len(tok), prompt_words, seed)
+
+
+def word_tokenizer(n: int):  # a tokenizer of n words: <pad>, <bos>, <eos>, <unk>, w0, w1, ...; BOS before each text
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    words = ["<pad>", "<bos>", "<eos>", "<unk>", *(f"w{i}" for i in range(n - 4))]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
+                                   unk_token="<unk>", padding_side="left")
+
+
+def word_prompts(path, n: int, words: int, seed=0):  # 256 prompts of `words` random words of word_tokenizer(n)
     g = torch.Generator().manual_seed(seed)
-    with open(os.path.join(directory, "prompts.jsonl"), "w") as f:
+    with open(path, "w") as f:
         for _ in range(256):
-            ids = torch.randint(4, len(words), (prompt_words,), generator=g).tolist()
-            f.write(json.dumps({"prompt": " ".join(words[i] for i in ids)}) + "\n")
+            ids = torch.randint(4, n, (words,), generator=g).tolist()
+            f.write(json.dumps({"prompt": " ".join(f"w{i - 4}" for i in ids)}) + "\n")
+
+
+QWEN25 = {  # Qwen2.5's shapes (as Llamas): hidden, layers, attention heads, KV heads, MLP width, vocabulary, tied
+    "0.5B": (896, 24, 14, 2, 4864, 151936, True), "1.5B": (1536, 28, 12, 2, 8960, 151936, True),
+    "3B": (2048, 36, 16, 2, 11008, 151936, True), "7B": (3584, 28, 28, 4, 18944, 152064, False),
+    "14B": (5120, 48, 40, 8, 13824, 152064, False)}
+MEMORY_RUNS = {"full": [], "lora": ["--lora-rank", "16"], "lora-offload": ["--lora-rank", "16", "--offload"]}
+MEMORY_FLAGS = ["--batch-size", "64", "--response-length", "256", "--steps", "3", "--no-chat-template", "--bf16",
+                "--gradient-checkpointing", "--micro-batch-size", "8", "--sample-every", "0", "--seed", "1"]
+RANDOM_WEIGHTS = """import sys, torch, transformers
+sys.path.insert(0, {here!r})
+import ppo_tokens
+def built(auto, **config):  # from_pretrained -> the config's model, random weights made on the device (no file)
+    def load(path, dtype=None, **_):
+        with torch.device({device!r}):
+            return auto.from_config(transformers.AutoConfig.from_pretrained(path, **config), dtype=dtype)
+    return load
+transformers.AutoModelForCausalLM.from_pretrained = built(transformers.AutoModelForCausalLM)
+transformers.AutoModelForSequenceClassification.from_pretrained = built(
+    transformers.AutoModelForSequenceClassification, num_labels=1)
+ppo_tokens.save_policy = lambda t, path: None  # (what is measured is the run, not writing a 14B model's 28 GB)
+ppo_tokens.main(sys.argv[1:])
+"""
+
+
+def bench_memory(directory, device="cuda", shapes=QWEN25, runs=MEMORY_RUNS, flags=MEMORY_FLAGS, timeout=420):
+    """Issue 40's GPU benchmark in one command. For each of `runs` (full fine-tuning, LoRA, LoRA + offload) the shapes
+    from the largest down, through the real entry point (python ppo_tokens.py, 64 rows of 128 + 256 tokens, 3
+    iterations, a critic and a reward model of the policy's shape), until one completes: a shape whose memory line
+    does not fit is refused before any weight exists (its line kept), one that runs out of memory is noted. Random
+    weights are made on the device by the child process (only configs and a tokenizer on disk). Prints and returns,
+    per run, what each shape did; for the one that completed: its peak device memory per iteration (GiB) and seconds
+    an iteration (iterations 2-3). Usage (GPU): python -c "from test_ppo_tokens import bench_memory;
+    bench_memory('wm')"."""
+    tok = word_tokenizer(151936)
+    os.makedirs(directory, exist_ok=True)
+    word_prompts(os.path.join(directory, "prompts.jsonl"), len(tok), 127)  # 128 tokens with BOS
+    script = os.path.join(directory, "random_weights.py")
+    with open(script, "w") as f:
+        f.write(RANDOM_WEIGHTS.format(here=HERE, device=device))
+    from transformers import LlamaConfig  # (as bench_workload: a qwen2 config would make AutoTokenizer a Qwen2's)
+    results = {}
+    for run, more in runs.items():
+        results[run] = []
+        for shape, (hidden, layers, heads, kv, mlp, vocab, tied) in reversed(shapes.items()):
+            config = dict(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                          num_key_value_heads=kv, intermediate_size=mlp, vocab_size=vocab, tie_word_embeddings=tied,
+                          max_position_embeddings=4096, attention_bias=True, rope_theta=1e6, bos_token_id=1,
+                          eos_token_id=2, pad_token_id=0)
+            for name, extra in (("policy", {}), ("rm", {"num_labels": 1})):
+                LlamaConfig(**config, **extra).save_pretrained(os.path.join(directory, shape, name))
+                tok.save_pretrained(os.path.join(directory, shape, name))
+            out_dir = os.path.join(directory, f"{run}-{shape}")
+            shutil.rmtree(out_dir, ignore_errors=True)
+            argv = [sys.executable, script, "--model", os.path.join(directory, shape, "policy"), "--reward-model",
+                    os.path.join(directory, shape, "rm"), "--prompts", os.path.join(directory, "prompts.jsonl"),
+                    "--device", device, *flags, *more, "--output-dir", out_dir]
+            start = time.time()
+            try:
+                proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+                text, code = proc.stdout + proc.stderr, proc.returncode
+            except subprocess.TimeoutExpired as e:
+                text, code = f"{e.stdout or ''}{e.stderr or ''}timed out after {timeout} s", "timeout"
+            line = next((x for x in text.splitlines() if x.startswith("memory on")), "")
+            result = {"shape": shape, "flags": " ".join(more), "memory_line": line, "wall_s": round(time.time() - start)}
+            records = read_metrics(out_dir) if code == 0 else []
+            if code == 0:
+                times = [r["time_s"] for r in records if r.get("step", 0) >= 1]
+                result.update(completed=True, peak_memory_gb=[r.get("peak_memory_gb") for r in records
+                                                              if r.get("step", 0) >= 1],
+                              peak_rss_gb=max(r["peak_rss_gb"] for r in records if "peak_rss_gb" in r),
+                              s_per_iteration=round((times[-1] - times[0]) / max(1, len(times) - 1), 2))
+            else:
+                refused = next((x for x in text.splitlines() if "this run needs" in x), None)
+                result.update(completed=False, why=refused or ("out of memory" if "out of memory" in text.lower()
+                                                                 else (text.strip().splitlines() or [""])[-1]))
+            print(json.dumps(result), flush=True)
+            results[run].append(result)
+            if code == 0:
+                break
+    with open(os.path.join(directory, "memory.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    return results
 
 
 # the issue-23 speed workload's flags (README), every one given: --model's defaults may change
