@@ -124,8 +124,9 @@ class Config:
     lora_alpha: float = arg(32.0, "LoRA: the adapters' scale is alpha / rank")
     lora_targets: str = arg("all-linear", "LoRA: the linear layers adapted, comma-separated module names; 'all-linear'"
                                           " = every one of the decoder (not the output head)")
-    offload: bool = arg(False, "CUDA: Adam's moments in pinned host memory between steps; the frozen reference (a "
-                               "copy) and reward model there too, each layer brought in for its forward")
+    offload: bool = arg(False, "CUDA: Adam's moments in pinned host memory between steps (--fsdp: the trained "
+                               "weights, gradients and Adam); the frozen reference (a copy) and reward model there "
+                               "too, each layer brought in for its forward")
     # the built-in demo (the task at the end of the file)
     demo_warmup_steps: int = arg(1000, "supervised warm-up steps before PPO (0 = none); fixed, past the loss's drop")
     demo_warmup_lr: float = arg(3e-3, "warm-up learning rate (AdamW, betas (0.9, 0.95), 50-step linear warm-up)")
@@ -962,7 +963,8 @@ def ppo_update(policy, critic, policy_opt, critic_opt, batch: Rollout, cfg: Conf
                 optimizer.zero_grad(set_to_none=True)
             continue
         norms = [torch.nn.utils.clip_grad_norm_(m.parameters(), cfg.max_grad_norm) for m in models]
-        norms = [getattr(n, "full_tensor", lambda: n)() for n in norms]  # FSDP2 returns a DTensor
+        # FSDP2 returns a DTensor (--offload: on the host)
+        norms = [getattr(n, "full_tensor", lambda: n)().to(sums["pg_loss"].device) for n in norms]
         losses = [sums["pg_loss"]] + ([sums["vf_loss"]] if critic is not None else [])
         finite = torch.isfinite(torch.stack([*losses, *norms])).tolist()  # one sync
         if any_rank(not all(finite), norms[0].device):  # the non-finite guard, decided by all ranks together
@@ -1229,10 +1231,10 @@ def memory_parts(cfg: Config, device, world: int, policy, reward_model) -> dict:
     sampler = (1 + (cfg.max_staleness > 0)) * (2 if device.type == "cuda" else base) * n  # (+ WeightSync's staging)
     frozen /= shards if shards_frozen(cfg, device) and not cfg.offload else 1  # (FSDP2: the frozen models sharded)
 
-    def held(model):  # a frozen model's bytes here; --offload: outside its decoder layers, and one layer at a time
+    def in_use(model):  # --offload: the parameters outside its decoder layers, and one layer at a time
         layers = decoder_layers(model) if cfg.offload and model is not None else []
-        return frozen * (count([model]) - count(layers) + max((count([layer]) for layer in layers), default=0))
-    reward = held(reward_model)
+        return count([model]) - count(layers) + max((count([layer]) for layer in layers), default=0)
+    reward, host = frozen * in_use(reward_model), cfg.offload and shards > 1  # (host: the trained models' CPUOffload)
     if cfg.lora_rank:  # fp32 adapters (+ gradients, Adam: 16 bytes) of each adapted layer; one shared base
         names = None if cfg.lora_targets == "all-linear" else lora_targets(cfg)
         adapted = [m for name, m in backbone_of(policy).named_modules() if isinstance(m, nn.Linear) and
@@ -1243,13 +1245,17 @@ def memory_parts(cfg: Config, device, world: int, policy, reward_model) -> dict:
         if shards > 1:
             trees = {"policy base": trees["base"] / shards, "critic base": trees["base"] / shards * critic,
                      "reference": trees["base"] / (shards if shards_frozen(cfg, device) else 1)}
+        if host:  # FSDP2's CPUOffloadPolicy: each tree's shards on the host, gathered a layer at a time
+            trees = {"base, gathered": base * in_use(policy)}
         return {**trees, "policy adapters+grads+Adam": 16 * n_lora / shards,
                 "critic adapters+grads+Adam": 16 * n_lora * critic / shards, "reward model": reward, "sampler": sampler}
     n_critic, adam = count([backbone_of(policy)]) * critic, 0 if cfg.offload else 8  # (--offload: in for its step)
-    return {"policy": 4 * n / shards, "policy grads+Adam": (4 + adam) * n / shards,  # fp32: 4 + 4 + 8 bytes
-            "critic": 4 * n_critic / shards, "critic grads+Adam": (4 + adam) * n_critic / shards,
-            "Adam at a step": (8 - adam) * max(n, n_critic) / shards,  # --offload: one model's moments at a time
-            "reference": held(policy), "reward model": reward, "sampler": sampler}
+    trained = {"policy": 4 * n / shards, "policy grads+Adam": (4 + adam) * n / shards,  # fp32: 4 + 4 + 8 bytes
+               "critic": 4 * n_critic / shards, "critic grads+Adam": (4 + adam) * n_critic / shards,
+               "Adam at a step": (8 - adam) * max(n, n_critic) / shards}  # --offload: one model's moments at a time
+    if host:  # FSDP2's CPUOffloadPolicy: all on the host; one model's root and layer gathered (weights, gradients)
+        trained = {"trained, gathered": 8 * in_use(policy)}
+    return {**trained, "reference": frozen * in_use(policy), "reward model": reward, "sampler": sampler}
 
 
 PAD_TOKEN = "<|ppo_tokens_pad|>"
@@ -1424,7 +1430,6 @@ def offload_moments(optimizer):
     """--offload: Adam's moments (8 bytes a trained parameter) in pinned host memory except during each step, as
     verl's optimizer offload: the trainer's forwards and backward have that memory (not the sampler, whose stream
     does not reuse the trainer's cached blocks); the step's peak holds them."""
-    from torch.distributed.tensor import DTensor
     pinned = {}  # (parameter, moment) -> its pinned host buffer, reused at every step
 
     def move(to_host: bool):
@@ -1432,8 +1437,6 @@ def offload_moments(optimizer):
             for k, v in [(k, v) for k, v in state.items() if torch.is_tensor(v) and v.shape == p.shape]:  # (not step)
                 if not to_host:
                     state[k] = v.to(p.device, non_blocking=True)
-                elif isinstance(v, DTensor):  # FSDP2's shard
-                    state[k] = v.to("cpu")
                 else:  # (its last copy to the device, before the step, came first on this stream)
                     if (p, k) not in pinned:
                         pinned[p, k] = torch.empty_like(v, device="cpu", pin_memory=True)
@@ -1480,8 +1483,9 @@ def wrap_for_training(model, cfg: Config):  # torchrun: DDP, or --fsdp FSDP2
     if not torch.distributed.is_initialized():
         return model
     device = next(model.parameters()).device
-    if cfg.fsdp:
-        return fsdp_shard(model)
+    if cfg.fsdp:  # --offload: FSDP2's CPUOffloadPolicy, the fp32 weights, gradients and Adam's step on the host
+        from torch.distributed.fsdp import CPUOffloadPolicy
+        return fsdp_shard(model, **({"offload_policy": CPUOffloadPolicy()} if cfg.offload else {}))
     return nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
 
 
@@ -2078,8 +2082,8 @@ def start_training(cfg: Config, run, output_dir: str, threaded, ctx: Dist) -> Tr
     actor = wrap_for_training(Actor(policy, cfg.temperature, cfg.full_logits, run.vocab), cfg)
     critic = wrap_for_training(run.critic, cfg) if run.critic is not None else None
     policy_opt, critic_opt, schedules = make_optimizers(cfg, actor, critic)
-    for optimizer in [o for o in (policy_opt, critic_opt) if o is not None and cfg.offload]:
-        offload_moments(optimizer)
+    for optimizer in [o for o in (policy_opt, critic_opt) if o is not None and cfg.offload and not sharded]:
+        offload_moments(optimizer)  # (FSDP2's CPUOffloadPolicy holds them on the host with the weights)
     n_trained = sum(p.numel() for m in trained for p in m.parameters() if p.requires_grad)
     print(f"trainable parameters: {n_trained / 1e6:.2f}M ({' + '.join(type(m).__name__ for m in trained)})")
 
@@ -2091,7 +2095,7 @@ def start_training(cfg: Config, run, output_dir: str, threaded, ctx: Dist) -> Tr
                  torch.Generator(device).manual_seed(cfg.seed + 1_000_003 * ctx.rank),
                  torch.Generator().manual_seed(cfg.seed + 1), threaded, decoder=sampler, timer=Timer())
     if cfg.resume:
-        state = load_checkpoint(cfg.resume, actor, critic, t.optimizers, schedules, ctx)
+        state = load_checkpoint(cfg.resume, actor, critic, t.optimizers, schedules, ctx, device)
         t.start = state["step"]
         t.first_accuracy = state["first_accuracy"]
         t.elapsed = state["time_s"]
@@ -2397,8 +2401,9 @@ def checkpoint_state(actor, critic, optimizers, schedules, ctx: Dist, sampler_rn
     return state
 
 
-def load_checkpoint(path: str, actor, critic, optimizers, schedules, ctx: Dist = Dist()) -> dict:
-    """In place (parameters stay views of the packed buffer), with this rank's RNGs; returns the loop state."""
+def load_checkpoint(path: str, actor, critic, optimizers, schedules, ctx: Dist = Dist(), device=None) -> dict:
+    """In place (parameters stay views of the packed buffer), with this rank's RNGs; returns the loop state. device:
+    the run's (the sampler's generator), where the trained weights are elsewhere (--fsdp --offload: the host)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import state_dict as dcp_state
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
@@ -2406,7 +2411,7 @@ def load_checkpoint(path: str, actor, critic, optimizers, schedules, ctx: Dist =
     if world != ctx.world:
         raise SystemExit(f"--resume {path}: written by {world} ranks; resume with as many (torchrun "
                          f"--nproc_per_node), not {ctx.world}")
-    device = next(actor.parameters()).device
+    device = device or next(actor.parameters()).device
     drawn = {"prompts_drawn": 0} if f"rank{ctx.rank}.prompts_drawn" in saved else {}  # (older checkpoints: none)
     state = checkpoint_state(actor, critic, optimizers, schedules, ctx, torch.Generator(device).get_state(),
                              torch.Generator(), step=0, first_accuracy=None, time_s=0.0, **drawn)
@@ -2494,7 +2499,9 @@ def init_distributed(cfg: Config) -> Dist:
     cuda = cfg.device != "cpu" and torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(ctx.local_rank)  # one device per local rank
-    torch.distributed.init_process_group("nccl" if cuda else "gloo")
+    # --fsdp --offload: the trained models' shards, gradients and norms live on the host: their collectives take gloo
+    torch.distributed.init_process_group(("cpu:gloo,cuda:nccl" if cfg.fsdp and cfg.offload else "nccl") if cuda else
+                                         "gloo")
     if ctx.rank > 0:  # rank 0 alone prints; errors (stderr) still come from every rank
         sys.stdout = open(os.devnull, "w")
     return ctx

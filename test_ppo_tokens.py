@@ -1263,6 +1263,8 @@ def test_memory_line_counts_each_part_and_a_run_that_cannot_fit_stops_before_loa
     assert parts["reference"] == 4 * (n - layers + layer) and parts["policy grads+Adam"] == 4 * n
     assert parts["Adam at a step"] == 8 * n and sum(parts.values()) < sum(pt.memory_parts(stale, gpu, 1, model, rm)
                                                                           .values())
+    sharded = pt.memory_parts(dataclasses.replace(offload, fsdp=True), gpu, 2, model, rm)  # + FSDP2's CPUOffload:
+    assert sharded["trained, gathered"] == 8 * (n - layers + layer) and "policy" not in sharded  # (all on the host)
     monkeypatch.setattr(pt, "device_memory", lambda device: sum(parts.values()) + 1)  # holds it offloaded only
     with pytest.raises(SystemExit, match=r"try --lora-rank 16 \(~0 GiB\) or --offload \(~0 GiB\) or sharding"):
         pt.plan_memory(pt.parse_config(argv), gpu, 1, model, rm)
@@ -1515,7 +1517,8 @@ def bench_memory(directory, device="cuda", shapes=QWEN25, runs=MEMORY_RUNS, flag
             except subprocess.TimeoutExpired as e:
                 text, code = f"{e.stdout or ''}{e.stderr or ''}timed out after {timeout} s", "timeout"
             line = next((x for x in text.splitlines() if x.startswith("memory on")), "")
-            result = {"shape": shape, "flags": " ".join(more), "memory_line": line, "wall_s": round(time.time() - start)}
+            result = {"shape": shape, "flags": " ".join(more), "memory_line": line,
+                      "wall_s": round(time.time() - start)}
             records = read_metrics(out_dir) if code == 0 else []
             if code == 0:
                 times = [r["time_s"] for r in records if r.get("step", 0) >= 1]
