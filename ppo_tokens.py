@@ -1893,8 +1893,9 @@ class WeightSync:
 
     def pull(self) -> int:  # sampler thread, between batches (or decode steps): take the newest version
         with self.lock:
-            if self.version != self.sampler_version and self.staging is not self.sampler_flat:
-                self._copy("pull", self.sampler_flat, self.staging)  # every sampler parameter is a view of it
+            if self.version != self.sampler_version:
+                if self.staging is not self.sampler_flat:  # (direct: the publish wrote it)
+                    self._copy("pull", self.sampler_flat, self.staging)  # every sampler parameter is a view of it
                 self.sampler_version = self.version
             return self.sampler_version
 

@@ -1584,6 +1584,8 @@ def test_staleness_zero_with_the_thread_equals_the_synchronous_loop(tmp_path, mo
             assert a[key] == b[key], (key, a[key], b[key])
     assert all(torch.equal(plain_weights[k], thread_weights[k]) for k in plain_weights)
     assert all(r["behav_prox_max_diff"] < 1e-5 for r in plain + thread)  # the sampler really had the new weights
+    # ... and knew it: every token of the version it was sampled with (a publish writes the sampler's weights here)
+    assert all(r["staleness_max"] == 0 and r["is_weight_max"] == 1.0 for r in plain + thread if r["step"] > 0)
     assert plain[-1]["approx_kl"] > 0 and plain[0]["reward_mean"] != plain[-1]["reward_mean"]  # it did train
 
 
