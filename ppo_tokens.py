@@ -1827,14 +1827,20 @@ def run_episodes(decoder, envs, texts, seeds, tokenizer, cfg: Config, pool=None,
 # two threads' kernels go to separate streams and overlap, with no hand-picked yield points.
 
 
-def sampler_copy(policy, dtype):  # the sampler's inference copy of the policy: bf16 on GPU, else dtype; no gradients
-    sampler = copy.deepcopy(policy)
+def sampler_copy(policy, dtype):
+    """The sampler's inference copy of the policy, bf16 on GPU, else dtype, no gradients -> (it, the flat buffer every
+    parameter of it is a view of: a weight sync is one copy). Made in that buffer: never two copies of the weights."""
+    dtype = torch.bfloat16 if policy.device.type == "cuda" else dtype  # (one dtype: one flat buffer)
+    params = list(policy.parameters())  # each tied weight once
+    flat = torch.empty(sum(p.numel() for p in params), dtype=dtype, device=policy.device)
+    views = flat.split([p.numel() for p in params])
+    sampler = copy.deepcopy(policy, memo={id(p): nn.Parameter(v.view_as(p).copy_(p.detach()), requires_grad=False)
+                                          for p, v in zip(params, views)})  # (buffers, e.g. RoPE's, keep fp32)
     if policy.device.type == "cpu" and dtype == torch.bfloat16:  # torch's CPU bf16 linear of a strided input
         # (logits_to_keep's (B, 1, H) slice) allocates ~15 bytes a weight for a moment: +2 GiB at every prefill for
         # Qwen2.5-0.5B's 152k-token head (fp32: no; and its rounding, unlike a copy's, is what fp32 runs have)
         sampler.get_output_embeddings().register_forward_pre_hook(lambda head, args: (args[0].contiguous(),))
-    dtype = torch.bfloat16 if policy.device.type == "cuda" else dtype  # (one dtype: its weights are one flat buffer)
-    return cast_parameters(sampler, dtype).requires_grad_(False)
+    return sampler, flat
 
 
 def cast_parameters(model, dtype):  # the parameters only: buffers (RoPE frequencies, ...) keep their fp32 precision
@@ -1856,9 +1862,9 @@ class WeightSync:
     the sampler never generates while the trainer publishes, so a publish writes the sampler's weights (no staging
     copy: a model's worth of memory less)."""
 
-    def __init__(self, policy, sampler, sharded=False, merged=None, direct=False):
+    def __init__(self, policy, sampler_flat, sharded=False, merged=None, direct=False):
         self.policy, self.merged = policy, merged  # merged: () -> the sampler's weights, one by one (--lora-rank)
-        self.sampler_flat = flatten_parameters(sampler)
+        self.sampler_flat = sampler_flat  # (sampler_copy's: every sampler parameter is a view of it)
         self.trainer_flat = None if sharded or merged else flatten_parameters(policy)
         self.staging = self.sampler_flat if direct else self.sampler_flat.clone()
         self.cuda = self.sampler_flat.is_cuda
@@ -2067,12 +2073,12 @@ def start_training(cfg: Config, run, output_dir: str, threaded, ctx: Dist) -> Tr
     checkpoint's weights, optimizer states, schedules, generators, metrics and run time."""
     policy, device = run.policy, run.policy.device
     base = run.reference.policy if run.lora else None  # --lora-rank: the sampler has the base's tree, merged weights
-    sampler = sampler_copy(policy if base is None else base, trained_dtype(cfg))  # (--lora-rank: its head in it too)
+    sampler, flat = sampler_copy(policy if base is None else base, trained_dtype(cfg))  # (--lora-rank: with its head)
     sharded = cfg.fsdp and torch.distributed.is_initialized()
     # FSDP2: the task evaluates a full copy of its own, not the sampler, which its thread uses and updates
     evaluator = copy.deepcopy(sampler) if sharded and run.task.evaluate is not None and ctx.rank == 0 else None
     merged = None if base is None else functools.partial(merged_weights, policy)
-    sync = WeightSync(policy, sampler, sharded, merged, direct=cfg.max_staleness == 0)  # packs the weights
+    sync = WeightSync(policy, flat, sharded, merged, direct=cfg.max_staleness == 0)  # packs the trainer's weights
     if evaluator is not None:  # its parameters become views of the published weights, which only this thread writes
         torch.nn.utils.vector_to_parameters(sync.staging, evaluator.parameters())
     trained = [m for m in (policy, run.critic) if m is not None]
@@ -2561,7 +2567,7 @@ def bench_rollout(cfg: Config):
     ids, mask = left_pad([run.prompt_ids[i // n % len(run.prompt_ids)] for i in range(B)], pad, run.policy.device)
     args = dict(sampling_args(cfg, pad, [], run.vocab), generator=torch.Generator(run.policy.device))
     model = run.reference.policy if run.lora else run.policy  # (--lora-rank: the base, which its zero B A leave as is)
-    kernels.bench_sampler(sampler_copy(model, trained_dtype(cfg)), ids, mask, functools.partial(generate, **args),
+    kernels.bench_sampler(sampler_copy(model, trained_dtype(cfg))[0], ids, mask, functools.partial(generate, **args),
                           PlainDecoder, max(map(len, run.prompt_ids)) + cfg.response_length, n, cfg.compile_sampler,
                           temperature=cfg.temperature, max_new_tokens=cfg.response_length, pad_token_id=pad,
                           eos_token_id=run.tokenizer.eos_token_id)

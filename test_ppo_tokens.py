@@ -2218,8 +2218,12 @@ def test_bad_environments_get_one_line_and_lose_nothing(tmp_path, capsys):
 
 
 def test_packed_weight_sync_makes_sampler_and_trainer_weights_identical():
-    policy, sampler = tiny_llama(16, seed=1, dtype=torch.float32), tiny_llama(16, seed=2, dtype=torch.float32)
-    sync = pt.WeightSync(policy, sampler)
+    policy = tiny_llama(16, seed=1, dtype=torch.float32, tie_word_embeddings=True)
+    sampler, flat = pt.sampler_copy(policy, torch.bfloat16)  # made in one buffer, each tied weight once
+    assert flat.numel() == sum(p.numel() for p in policy.parameters()) and sampler.lm_head.weight.dtype == torch.bfloat16
+    assert all(torch.equal(p.to(torch.bfloat16), q) for p, q in zip(policy.parameters(), sampler.parameters()))
+    sampler, flat = pt.sampler_copy(policy, torch.float32)
+    sync = pt.WeightSync(policy, flat)
     lo, n = sync.sampler_flat.data_ptr(), sync.sampler_flat.numel() * sync.sampler_flat.element_size()
     assert all(lo <= p.data_ptr() and p.data_ptr() + p.numel() * p.element_size() <= lo + n
                for p in sampler.parameters())  # views of one buffer
@@ -3392,10 +3396,14 @@ def test_cuda_fast_sampler_replays_a_captured_graph_with_the_plain_loops_tokens(
 
 @cuda
 def test_cuda_weight_sync_each_thread_times_its_own_copies(tokenizer):
-    import copy
     policy = tiny_llama(len(tokenizer), dtype=torch.float32).cuda()
-    sampler = pt.cast_parameters(copy.deepcopy(policy), torch.bfloat16)
-    sync, stop, stream = pt.WeightSync(policy, sampler), threading.Event(), torch.cuda.Stream()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    sampler, flat = pt.sampler_copy(policy, torch.float32)  # bf16 on CUDA, made in its buffer: no second copy
+    assert flat.dtype == torch.bfloat16
+    assert torch.cuda.max_memory_allocated() - before < flat.numel() * flat.element_size() + 2**20  # (+ RoPE's)
+    sync, stop, stream = pt.WeightSync(policy, flat), threading.Event(), torch.cuda.Stream()
 
     def sampler_side():
         with torch.cuda.stream(stream):
