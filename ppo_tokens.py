@@ -1352,7 +1352,11 @@ def lora_models(policy, cfg: Config, dtype):
     now carry trained fp32 adapters; the reference: the base's module tree without them; the critic or None)."""
     import peft
     cast_parameters(policy.requires_grad_(False), dtype)
-    policy.get_output_embeddings().float()  # the log-prob head stays fp32, as in full fine-tuning (--bf16's logits)
+    head = policy.get_output_embeddings().float()  # the log-prob head stays fp32, as in full fine-tuning (--bf16)
+    name = next(n for n, m in policy.named_modules() if m is head)  # (all-linear leaves the head out)
+    if head.weight is policy.get_input_embeddings().weight and cfg.lora_targets != "all-linear" and \
+            lora_matches(name, lora_targets(cfg)):  # an adapter's merge would change the embedding too
+        raise SystemExit(f"--lora-targets: {name} is this model's input embedding too (tied weights): drop it")
     reference = shared_copy(policy)
     critic = None
     if ADVANTAGES[cfg.advantage].critic:  # its backbone over the same base tensors, adapters of its own

@@ -2791,6 +2791,8 @@ def test_bad_input_is_refused_with_one_clear_line(tmp_path, capsys, monkeypatch,
     MambaForCausalLM(MambaConfig(vocab_size=len(tokenizer), hidden_size=16, num_hidden_layers=1, state_size=4,
                                  expand=1)).save_pretrained(tmp_path / "mamba")
     tokenizer.save_pretrained(tmp_path / "mamba")
+    tiny_llama(len(tokenizer), dtype=torch.float32, tie_word_embeddings=True).save_pretrained(tmp_path / "tied")
+    tokenizer.save_pretrained(tmp_path / "tied")
     os.makedirs(tmp_path / "old_run/checkpoints/step-00000003")
     (tmp_path / "old_run/checkpoints/step-00000003/.metadata").write_bytes(b"")  # DCP's: a whole checkpoint
     base = [*LOOP, "--steps", "1"]
@@ -2816,6 +2818,8 @@ def test_bad_input_is_refused_with_one_clear_line(tmp_path, capsys, monkeypatch,
              ([*base, "--reward", "bad_rewards_2:missing"], 1, "--reward 'bad_rewards_2:missing': cannot load it"),
              ([*with_prompts("good.jsonl"), "--model", str(tmp_path / "no_eos")], 1, "has no EOS token"),
              ([*with_prompts("good.jsonl"), "--model", str(tmp_path / "mamba")], 1, "mamba is not supported"),
+             ([*with_prompts("good.jsonl"), "--model", str(tmp_path / "tied"), "--lora-rank", "4", "--lora-targets",
+               "q_proj,lm_head"], 1, "--lora-targets: lm_head is this model's input embedding too (tied weights)"),
              ([*base, "--batch-size", "15"], 2, "--batch-size 15 must be divisible by --minibatches 2"),
              ([*base, "--temperature", "-1"], 2, "--temperature must be > 0"),
              ([*base, "--output-dir", str(tmp_path / "old_run")], 1,
