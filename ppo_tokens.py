@@ -1241,9 +1241,10 @@ def memory_parts(cfg: Config, device, world: int, policy, reward_model) -> dict:
                    (names is None or lora_matches(name, names))]
         n_lora = cfg.lora_rank * sum(m.in_features + m.out_features for m in adapted)
         head = count([policy.get_output_embeddings()])  # fp32 (lora_models; tied: the embedding with it)
-        trees = {"base": base * n + (4 - base) * head}  # (FSDP2 gives each tree shards of its own: 3 / world)
-        if shards > 1:
-            trees = {"policy base": trees["base"] / shards, "critic base": trees["base"] / shards * critic,
+        trees = {"base": base * n + (4 - base) * head}
+        if shards > 1:  # FSDP2 gives each tree shards of its own (the critic's: the backbone, not the head)
+            trees = {"policy base": trees["base"] / shards,
+                     "critic base": base * count([backbone_of(policy)]) / shards * critic,
                      "reference": trees["base"] / (shards if shards_frozen(cfg, device) else 1)}
         if host:  # FSDP2's CPUOffloadPolicy: each tree's shards on the host, gathered a layer at a time
             trees = {"base, gathered": base * in_use(policy)}

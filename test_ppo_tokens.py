@@ -1250,7 +1250,7 @@ def test_memory_line_counts_each_part_and_a_run_that_cannot_fit_stops_before_loa
     fsdp = dataclasses.replace(pt.parse_config(argv), fsdp=True)  # FSDP2 at 2 ranks: all but the sampler sharded
     halves = {k: v if k == "sampler" else v / 2 for k, v in full.items()}
     assert {k: v for k, v in pt.memory_parts(fsdp, torch.device("cpu"), 2, model, rm).items() if v} == halves
-    trees = {"policy base": 2 * n, "critic base": 2 * n, "reference": 2 * n}  # LoRA: each tree's shards of the base
+    trees = {"policy base": 2 * n, "critic base": 2 * n_backbone, "reference": 2 * n}  # LoRA: each tree's shards
     assert pt.memory_parts(dataclasses.replace(fsdp, lora_rank=4), torch.device("cpu"), 2, model, rm) == {
         **trees, **{k: v if k == "sampler" else v / 2 for k, v in lora.items() if k != "base"}}
     stale = dataclasses.replace(fsdp, max_staleness=1)  # CUDA's sampler thread: the frozen models stay whole
