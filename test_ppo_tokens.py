@@ -1413,7 +1413,7 @@ def test_a_tokenizer_without_pad_and_a_reward_model_of_the_same_vocabulary(tmp_p
 def bench_workload(directory, seed=0, shape="small", prompt_words=32):
     """The CPU speed workload of the README (issue 23): policy/ (a random Llama, hidden 256 x 4 layers, vocab 512),
     rm/ (a LlamaForSequenceClassification of the same vocabulary, so the critic starts from it) and prompts.jsonl
-    (prompts of 32 words, a token each, after BOS). Usage: python -c "from test_ppo_tokens import bench_workload;
+    (prompts of 32 words, a token each; no BOS). Usage: python -c "from test_ppo_tokens import bench_workload;
     bench_workload('wl')".
     shape="0.5B": the GPU workload, Qwen2.5-0.5B's shape (hidden 896 x 24 layers, 14 / 2 heads, vocab 151,936, tied
     embeddings, attention biases: on o_proj too, unlike Qwen2) as a Llama (AutoTokenizer would give a qwen2 config
@@ -1478,25 +1478,27 @@ ppo_tokens.main(sys.argv[1:])
 """
 
 
-def bench_memory(directory, device="cuda", shapes=QWEN25, runs=MEMORY_RUNS, flags=MEMORY_FLAGS, timeout=420):
+def bench_memory(directory, runs=tuple(MEMORY_RUNS), device="cuda", shapes=QWEN25, flags=MEMORY_FLAGS, budget_s=540,
+                 out=None):
     """Issue 40's GPU benchmark in one command. For each of `runs` (full fine-tuning, LoRA, LoRA + offload) the shapes
     from the largest down, through the real entry point (python ppo_tokens.py, 64 rows of 128 + 256 tokens, 3
     iterations, a critic and a reward model of the policy's shape), until one completes: a shape whose memory line
     does not fit is refused before any weight exists (its line kept), one that runs out of memory is noted. Random
-    weights are made on the device by the child process (only configs and a tokenizer on disk). Prints and returns,
-    per run, what each shape did; for the one that completed: its peak device memory per iteration (GiB) and seconds
-    an iteration (iterations 2-3). Usage (GPU): python -c "from test_ppo_tokens import bench_memory;
-    bench_memory('wm')"."""
-    tok = word_tokenizer(151936)
+    weights are made on the device by the child process (only configs and a tokenizer on disk). Prints, and writes to
+    out/memory.json after each shape, what each did; for the one that completed: its peak device memory per iteration
+    (GiB; the first's window holds the set-up) and seconds an iteration (iterations 2-3). All within budget_s (a
+    device call's limit): a run cut by it is marked so. Usage (GPU), one or two runs a call: python -c "from
+    test_ppo_tokens import bench_memory; bench_memory('wm', ['full', 'lora'], out='$OUT')"."""
+    tok, deadline, out = word_tokenizer(151936), time.time() + budget_s, out or directory
     os.makedirs(directory, exist_ok=True)
-    word_prompts(os.path.join(directory, "prompts.jsonl"), len(tok), 127)  # 128 tokens with BOS
+    word_prompts(os.path.join(directory, "prompts.jsonl"), len(tok), 128)  # (no BOS: 128 tokens)
     script = os.path.join(directory, "random_weights.py")
     with open(script, "w") as f:
         f.write(RANDOM_WEIGHTS.format(here=HERE, device=device))
     from transformers import LlamaConfig  # (as bench_workload: a qwen2 config would make AutoTokenizer a Qwen2's)
     results = {}
-    for run, more in runs.items():
-        results[run] = []
+    for run in runs:
+        more, results[run] = MEMORY_RUNS[run], []
         for shape, (hidden, layers, heads, kv, mlp, vocab, tied) in reversed(shapes.items()):
             config = dict(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                           num_key_value_heads=kv, intermediate_size=mlp, vocab_size=vocab, tie_word_embeddings=tied,
@@ -1511,11 +1513,14 @@ def bench_memory(directory, device="cuda", shapes=QWEN25, runs=MEMORY_RUNS, flag
                     os.path.join(directory, shape, "rm"), "--prompts", os.path.join(directory, "prompts.jsonl"),
                     "--device", device, *flags, *more, "--output-dir", out_dir]
             start = time.time()
+            if deadline - start < 30:
+                break
             try:
-                proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+                proc = subprocess.run(argv, capture_output=True, text=True, timeout=deadline - start)
                 text, code = proc.stdout + proc.stderr, proc.returncode
-            except subprocess.TimeoutExpired as e:
-                text, code = f"{e.stdout or ''}{e.stderr or ''}timed out after {timeout} s", "timeout"
+            except subprocess.TimeoutExpired as e:  # (its output: bytes, text=True or not)
+                text = "".join((x or b"").decode(errors="replace") for x in (e.stdout, e.stderr))
+                text, code = text + f"\ncut at the budget, after {deadline - start:.0f} s", "budget"
             line = next((x for x in text.splitlines() if x.startswith("memory on")), "")
             result = {"shape": shape, "flags": " ".join(more), "memory_line": line,
                       "wall_s": round(time.time() - start)}
@@ -1532,10 +1537,10 @@ def bench_memory(directory, device="cuda", shapes=QWEN25, runs=MEMORY_RUNS, flag
                                                                  else (text.strip().splitlines() or [""])[-1]))
             print(json.dumps(result), flush=True)
             results[run].append(result)
-            if code == 0:
+            with open(os.path.join(out, "memory.json"), "w") as f:
+                json.dump(results, f, indent=1)
+            if code in (0, "budget"):
                 break
-    with open(os.path.join(directory, "memory.json"), "w") as f:
-        json.dump(results, f, indent=1)
     return results
 
 
