@@ -290,7 +290,7 @@ def train(cfg: Config, run, output_dir: str, threaded=None, ctx: Dist = Dist()):
     waits for it); the trainer scores and updates with version step - 1, then publishes version step. A --resume at
     staleness 0 ends at the uninterrupted run's weights."""
     t = start_training(cfg, run, output_dir, threaded, ctx)  # sampler copy, trained models, optimizers, a resume
-    device = run.policy.device
+    device = run.device
     with StopSignal() as stop, contextlib.closing(t):
         if run.task.evaluate is not None and not cfg.resume and ctx.rank == 0:  # the held-out scores before PPO
             scores = run.task.evaluate(t.evaluator, run.tokenizer, cfg)
@@ -364,7 +364,7 @@ def make_batch(t: "Training", i: int, stop: threading.Event) -> Rollout:
         batch = dynamic_sampling(batch, sample_round, cfg, run.tokenizer.pad_token_id, t.sampler_group)
     with t.timer.span("score: reference", "sampler"):
         score_frozen(batch, run.reference, cfg, t.frozen_group)
-        if run.policy.device.type == "cuda":
+        if run.device.type == "cuda":
             torch.cuda.current_stream().synchronize()  # the batch is complete before the trainer's stream reads it
     return batch
 
@@ -381,7 +381,7 @@ def sample_and_reward(t: "Training", i: int, version: int, stop: threading.Event
                     generator=t.sample_generator, policy_version=version, stop=stop)
         texts = [run.prompt_texts[r] for r in rows]
         if run.env is None:
-            ids, mask = left_pad([run.prompt_ids[r] for r in rows], run.tokenizer.pad_token_id, run.policy.device)
+            ids, mask = left_pad([run.prompt_ids[r] for r in rows], run.tokenizer.pad_token_id, run.device)
             batch = generate(t.decoder, ids, mask, **args)
             batch.completions = decode_completions(run.tokenizer, batch)
         else:  # an environment per row, seeded by the run, the batch and the prompt: a resume replays it
@@ -1061,6 +1061,7 @@ class Run:
     task: "Task"  # the task's hooks: warm-up, held-out evaluation
     lora: object = None  # --lora-rank: the peft model over the policy (its adapters: policy_adapter/)
     reward_model: nn.Module = None  # --reward-model's (reward_fn scores with it)
+    device: torch.device = None  # the run's: the sampler's, its batches' (--fsdp --offload: not the trained weights')
 
 
 def setup(cfg: Config, ctx: Dist = Dist()) -> Run:
@@ -1143,7 +1144,7 @@ def setup(cfg: Config, ctx: Dist = Dist()) -> Run:
     print(f"policy {sum(p.numel() for p in policy.parameters()) / 1e6:.2f}M parameters on {device}; {critic_from}")
     return Run(tokenizer, policy, Actor(reference, cfg.temperature, cfg.full_logits, vocab), critic, reward_fn,
                prompt_texts, prompt_ids, stop_ids, vocab, load_env(cfg.env) if cfg.env else None, task, lora,
-               reward_model)
+               reward_model, device)
 
 
 def trained_dtype(cfg: Config):  # the policy's weights: fp32 (bf16 Adam steps round away); --lora-rank: the base's
@@ -1838,14 +1839,20 @@ def sampler_copy(policy, dtype):
     dtype = torch.bfloat16 if policy.device.type == "cuda" else dtype  # (one dtype: one flat buffer)
     params = list(policy.parameters())  # each tied weight once
     flat = torch.empty(sum(p.numel() for p in params), dtype=dtype, device=policy.device)
-    views = flat.split([p.numel() for p in params])
-    sampler = copy.deepcopy(policy, memo={id(p): nn.Parameter(v.view_as(p).copy_(p.detach()), requires_grad=False)
-                                          for p, v in zip(params, views)})  # (buffers, e.g. RoPE's, keep fp32)
+    for p, piece in zip(params, flat.split([p.numel() for p in params])):
+        piece.copy_(p.detach().reshape(-1))
+    sampler = tree_over(policy, flat)
     if policy.device.type == "cpu" and dtype == torch.bfloat16:  # torch's CPU bf16 linear of a strided input
         # (logits_to_keep's (B, 1, H) slice) allocates ~15 bytes a weight for a moment: +2 GiB at every prefill for
         # Qwen2.5-0.5B's 152k-token head (fp32: no; and its rounding, unlike a copy's, is what fp32 runs have)
         sampler.get_output_embeddings().register_forward_pre_hook(lambda head, args: (args[0].contiguous(),))
     return sampler, flat
+
+
+def tree_over(model, flat):  # the module tree again, its parameters views of flat, in order (buffers: copied)
+    params = list(model.parameters())
+    return copy.deepcopy(model, memo={id(p): nn.Parameter(piece.view_as(p), requires_grad=False)
+                                      for p, piece in zip(params, flat.split([p.numel() for p in params]))})
 
 
 def cast_parameters(model, dtype):  # the parameters only: buffers (RoPE frequencies, ...) keep their fp32 precision
@@ -2076,16 +2083,15 @@ class Training:
 def start_training(cfg: Config, run, output_dir: str, threaded, ctx: Dist) -> Training:
     """train()'s state: the sampler copy and its weight sync, the trained models and optimizers; with --resume the
     checkpoint's weights, optimizer states, schedules, generators, metrics and run time."""
-    policy, device = run.policy, run.policy.device
+    policy, device = run.policy, run.device
     base = run.reference.policy if run.lora else None  # --lora-rank: the sampler has the base's tree, merged weights
     sampler, flat = sampler_copy(policy if base is None else base, trained_dtype(cfg))  # (--lora-rank: with its head)
     sharded = cfg.fsdp and torch.distributed.is_initialized()
-    # FSDP2: the task evaluates a full copy of its own, not the sampler, which its thread uses and updates
-    evaluator = copy.deepcopy(sampler) if sharded and run.task.evaluate is not None and ctx.rank == 0 else None
     merged = None if base is None else functools.partial(merged_weights, policy)
     sync = WeightSync(policy, flat, sharded, merged, direct=cfg.max_staleness == 0)  # packs the trainer's weights
-    if evaluator is not None:  # its parameters become views of the published weights, which only this thread writes
-        torch.nn.utils.vector_to_parameters(sync.staging, evaluator.parameters())
+    # FSDP2: the task evaluates the published weights (which only this thread writes), not the sampler's own
+    evaluator = tree_over(sampler, sync.staging) if sharded and run.task.evaluate is not None and ctx.rank == 0 \
+        else None
     trained = [m for m in (policy, run.critic) if m is not None]
     for model in trained if cfg.gradient_checkpointing else ():  # (not the sampler copy, made above)
         checkpoint_layers(model)
@@ -2228,7 +2234,7 @@ def log_iteration(t: Training, step: int, batch: Rollout, kl, stats: dict, lr: f
               "trainer_idle_frac": max(0.0, 1.0 - busy["trainer_busy_s"] / iter_s),
               "overlap_frac": max(0.0, busy["trainer_busy_s"] + busy["sampler_busy_s"] - iter_s) / iter_s,  # both busy
               "weight_sync_ms": sync_ms,
-              **peak_memory(t.run.policy.device)}
+              **peak_memory(t.run.device)}
     if t.run.env is not None:  # per episode: its turns, and whether its environment failed
         record["turns_mean"] = sum(map(len, batch.episodes["rewards"])) / B
         record["env_errors"] = sum(e is not None for e in batch.episodes["errors"])
@@ -2569,8 +2575,8 @@ def bench_rollout(cfg: Config):
     run = setup(dataclasses.replace(cfg, demo_warmup_steps=0))  # speed does not depend on the weights
     B, n, pad = cfg.batch_size, cfg.samples_per_prompt, run.tokenizer.pad_token_id
     # sized and sampled as train() does: rows in groups of n with one prompt; no stop id: --response-length tokens each
-    ids, mask = left_pad([run.prompt_ids[i // n % len(run.prompt_ids)] for i in range(B)], pad, run.policy.device)
-    args = dict(sampling_args(cfg, pad, [], run.vocab), generator=torch.Generator(run.policy.device))
+    ids, mask = left_pad([run.prompt_ids[i // n % len(run.prompt_ids)] for i in range(B)], pad, run.device)
+    args = dict(sampling_args(cfg, pad, [], run.vocab), generator=torch.Generator(run.device))
     model = run.reference.policy if run.lora else run.policy  # (--lora-rank: the base, which its zero B A leave as is)
     kernels.bench_sampler(sampler_copy(model, trained_dtype(cfg))[0], ids, mask, functools.partial(generate, **args),
                           PlainDecoder, max(map(len, run.prompt_ids)) + cfg.response_length, n, cfg.compile_sampler,

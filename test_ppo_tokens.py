@@ -2399,7 +2399,8 @@ def digest_script(cwd):
         "        with CommDebugMode() as comm:\n            t.sync.publish(t.sync.version)\n"
         "        full = torch.cat([p.full_tensor().reshape(-1) for p in t.sync.policy.parameters()])\n"
         "        print('publish:', comm.get_total_counts(), 'collective, the trainer\\'s weights:',\n"
-        "              torch.equal(full.to(t.sync.staging.dtype), t.sync.staging), flush=True)\n"
+        "              torch.equal(full.to(t.sync.staging), t.sync.staging), flush=True)\n"
+        "    print('trained weights on', next(t.actor.parameters()).device.type, flush=True)\n"
         "    finish_training(t)\n"
         "ppo_tokens.finish_training = digest_then_finish\nppo_tokens.main(sys.argv[1:])\n")
     return str(cwd / "train_and_digest.py")
@@ -3463,6 +3464,7 @@ def test_cuda_torchrun_nccl(tmp_path, flags):  # fsdp-offload: the sharded refer
                         "--output-dir", str(tmp_path / f"run{nproc}")], tmp_path, nproc=nproc).stdout
         assert len(set(digests(out))) == 1
         assert (f"reference sharded over {nproc} ranks (FSDP2)" in out) == ("--fsdp" in flags)  # (WORLD: inline)
+        assert f"trained weights on {'cpu' if '--offload' in flags else 'cuda'}" in out  # (FSDP2's CPUOffloadPolicy)
         cuda_records(tmp_path / f"run{nproc}", 3)
 
 
