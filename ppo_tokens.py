@@ -1212,13 +1212,14 @@ def plan_memory(cfg: Config, device, world: int, policy, reward_model):
         needs = lambda **flag: sum(memory_parts(dataclasses.replace(cfg, **flag), device, world, policy,  # noqa: E731
                                                 reward_model).values())
         lora, offload = needs(lora_rank=16), needs(offload=True)
-        sharded = shards_frozen(dataclasses.replace(cfg, fsdp=True), device)  # (whether --fsdp shards them too)
-        whole = ("sampler",) + (() if sharded else ("reference", "reward model"))  # what --fsdp cannot shard
-        held = sum(v for k, v in parts.items() if k in whole)
+        fsdp = dataclasses.replace(cfg, fsdp=True)  # what it cannot shard: the sampler, the publish's receive
+        whole = ("sampler", "publish's gather") + (() if shards_frozen(fsdp, device) else ("reference", "reward model"))
+        held = sum(v for k, v in memory_parts(fsdp, device, max(world, 2), policy, reward_model).items() if k in whole)
         fits = [f"--lora-rank 16 (~{lora / gib:.0f} GiB)"] if not cfg.lora_rank and lora < capacity else []
         fits += [f"--offload (~{offload / gib:.0f} GiB)"] if device.type == "cuda" and offload < capacity else []
         if capacity > held and not cfg.lora_rank:  # FSDP2 over N GPUs: the rest sharded, beside what it cannot shard
-            gpus = math.ceil((total - held) * (world if cfg.fsdp else 1) / (capacity - held))
+            shardable = total - sum(v for k, v in parts.items() if k in whole)
+            gpus = math.ceil(shardable * (world if cfg.fsdp else 1) / (capacity - held))
             fits.append(f"sharding over {gpus} GPUs (torchrun --nproc_per_node {gpus} ... --fsdp)")
         raise SystemExit(f"this run needs ~{total / gib:.0f} GiB on {device} before activations, more than its "
                          f"{capacity / gib:.0f} GiB: try {' or '.join(fits + ['a smaller model'])}")
@@ -1235,7 +1236,8 @@ def memory_parts(cfg: Config, device, world: int, policy, reward_model) -> dict:
     def in_use(model):  # --offload: the parameters outside its decoder layers, and one layer at a time
         layers = decoder_layers(model) if cfg.offload and model is not None else []
         return count([model]) - count(layers) + max((count([layer]) for layer in layers), default=0)
-    reward, host = frozen * in_use(reward_model), cfg.offload and shards > 1  # (host: the trained models' CPUOffload)
+    wrapped = cfg.fsdp and (world > 1 or torch.distributed.is_initialized())  # (torchrun: FSDP2 wraps at world 1 too)
+    reward, host = frozen * in_use(reward_model), cfg.offload and wrapped  # (host: the trained models' CPUOffload)
     if cfg.lora_rank:  # fp32 adapters (+ gradients, Adam: 16 bytes) of each adapted layer; one shared base
         names = None if cfg.lora_targets == "all-linear" else lora_targets(cfg)
         adapted = [m for name, m in backbone_of(policy).named_modules() if isinstance(m, nn.Linear) and
@@ -1243,7 +1245,7 @@ def memory_parts(cfg: Config, device, world: int, policy, reward_model) -> dict:
         n_lora = cfg.lora_rank * sum(m.in_features + m.out_features for m in adapted)
         head = count([policy.get_output_embeddings()])  # fp32 (lora_models; tied: the embedding with it)
         trees = {"base": base * n + (4 - base) * head}
-        if shards > 1:  # FSDP2 gives each tree shards of its own (the critic's: the backbone, not the head)
+        if wrapped:  # FSDP2 gives each tree shards of its own (the critic's: the backbone, not the head)
             trees = {"policy base": trees["base"] / shards,
                      "critic base": base * count([backbone_of(policy)]) / shards * critic,
                      "reference": trees["base"] / (shards if shards_frozen(cfg, device) else 1)}
@@ -1257,7 +1259,9 @@ def memory_parts(cfg: Config, device, world: int, policy, reward_model) -> dict:
                "Adam at a step": (8 - adam) * max(n, n_critic) / shards}  # --offload: one model's moments at a time
     if host:  # FSDP2's CPUOffloadPolicy: all on the host; one model's root and layer gathered (weights, gradients)
         trained = {"trained, gathered": 8 * in_use(policy)}
-    return {**trained, "reference": frozen * in_use(policy), "reward model": reward, "sampler": sampler}
+    publish = sampler / (1 + (cfg.max_staleness > 0)) if wrapped else 0  # (kernels.gather_shards' receive buffer)
+    return {**trained, "reference": frozen * in_use(policy), "reward model": reward, "sampler": sampler,
+            "publish's gather": publish}
 
 
 PAD_TOKEN = "<|ppo_tokens_pad|>"
