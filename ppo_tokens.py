@@ -925,12 +925,12 @@ def explained_variance(values, returns, mask):  # 1 - Var[R - V] / Var[R]: 1 = t
 
 
 @contextlib.contextmanager
-def gradient_sync(models, enabled: bool):  # DDP / FSDP2: all-reduce gradients in this backward only when enabled
+def gradient_sync(models, enabled: bool):
+    """DDP: all-reduce gradients in this backward only when enabled (the minibatch's last). FSDP2 reduce-scatters in
+    every backward, so that gradients accumulate as shards: without, each rank would hold them whole until then."""
     with contextlib.ExitStack() as stack:
         for model in models:
-            if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
-                model.set_requires_gradient_sync(enabled)
-            elif hasattr(model, "no_sync") and not enabled:  # DDP
+            if hasattr(model, "no_sync") and not enabled:  # DDP
                 stack.enter_context(model.no_sync())
         yield
 
