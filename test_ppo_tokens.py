@@ -2270,10 +2270,11 @@ def run_raw(args, cwd, **env):  # a process of its own, for what only a process 
 
 
 @slow
-def test_resume_after_kill_ends_with_the_same_weights_as_an_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("more", [[], ["--lora-rank", "4"]], ids=["full", "lora"])  # LoRA: adapters, value head
+def test_resume_after_kill_ends_with_the_same_weights_as_an_uninterrupted_run(tmp_path, more):
     from safetensors.torch import load_file
     write_killer_module(tmp_path)
-    args = [a if a != "count_ones:score" else "killer:score" for a in LOOP] + ["--save-every", "1"]
+    args = [a if a != "count_ones:score" else "killer:score" for a in LOOP] + ["--save-every", "1", *more]
     run_script([*args, "--output-dir", str(tmp_path / "full")], tmp_path)
     killed = run_raw([*args, "--output-dir", str(tmp_path / "part")], tmp_path, KILL_AT="3")  # in iteration 3
     assert killed.returncode == -9 and [os.path.basename(c) for c in pt.checkpoints(tmp_path / "part")] == \
@@ -2585,9 +2586,9 @@ def test_torchrun_critic_free_ddp_and_fsdp2_train_and_resume(tmp_path):
         if name.startswith("rloo"):  # LoRA: a checkpoint holds the adapters (and their Adam states), not the base
             actor = [k for k in saved if k.startswith("actor.")]  # (the weights; actor_optimizer: their Adam states)
             assert actor and all("lora_" in k for k in actor)
+        if name == "rloo-fsdp":  # (DDP's and one process's resume: test_resume_after_kill_...[lora], ..._two_ranks_...)
             resumed = torchrun([base[0], "--resume", str(pt.checkpoints(out_dir)[0])], tmp_path).stdout
             assert "step-00000002 after iteration 2/3" in resumed and digests(resumed) == full, name
-        if name == "rloo-fsdp":  # (FSDP2's resume without LoRA: test_torchrun_two_ranks_ddp_and_fsdp2_train_...)
             assert "reference sharded over 2 ranks (FSDP2)" in out  # (the base's tree, adapters off)
             ddp, fsdp = (AutoModelForCausalLM.from_pretrained(tmp_path / d / "policy") for d in ("rloo", name))
             adapted = PeftModel.from_pretrained(pt.build_demo_policy(pt.build_demo_tokenizer(), seed=1),
