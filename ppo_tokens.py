@@ -1209,17 +1209,13 @@ def plan_memory(cfg: Config, device, world: int, policy, reward_model):
     shown = ", ".join(f"{k} {v / size:.2f}" for k, v in parts.items() if v)
     print(f"memory on {device} before activations, {unit}: {shown} = {total / size:.2f} of {capacity / size:.0f}")
     if total > capacity:  # what the run would need with another flag (the same parts)
-        needs = lambda **flag: sum(memory_parts(dataclasses.replace(cfg, **flag), device, world, policy,  # noqa: E731
-                                                reward_model).values())
+        needs = lambda gpus=world, **flag: sum(memory_parts(dataclasses.replace(cfg, **flag), device,  # noqa: E731
+                                                            gpus, policy, reward_model).values())
         lora, offload = needs(lora_rank=16), needs(offload=True)
-        fsdp = dataclasses.replace(cfg, fsdp=True)  # what it cannot shard: the sampler, the publish's receive
-        whole = ("sampler", "publish's gather") + (() if shards_frozen(fsdp, device) else ("reference", "reward model"))
-        held = sum(v for k, v in memory_parts(fsdp, device, max(world, 2), policy, reward_model).items() if k in whole)
         fits = [f"--lora-rank 16 (~{lora / gib:.0f} GiB)"] if not cfg.lora_rank and lora < capacity else []
         fits += [f"--offload (~{offload / gib:.0f} GiB)"] if device.type == "cuda" and offload < capacity else []
-        if capacity > held and not cfg.lora_rank:  # FSDP2 over N GPUs: the rest sharded, beside what it cannot shard
-            shardable = total - sum(v for k, v in parts.items() if k in whole)
-            gpus = math.ceil(shardable * (world if cfg.fsdp else 1) / (capacity - held))
+        gpus = next((n for n in range(max(2, world + 1), 257) if needs(n, fsdp=True) <= capacity), None)
+        if gpus:  # FSDP2 over the fewest GPUs that each hold what the memory line counts
             fits.append(f"sharding over {gpus} GPUs (torchrun --nproc_per_node {gpus} ... --fsdp)")
         raise SystemExit(f"this run needs ~{total / gib:.0f} GiB on {device} before activations, more than its "
                          f"{capacity / gib:.0f} GiB: try {' or '.join(fits + ['a smaller model'])}")
@@ -2053,7 +2049,7 @@ class Training:
     optimizers: tuple  # (the policy's AdamW, the critic's)
     schedules: list  # their learning-rate schedules
     sync: WeightSync  # trainer -> sampler weights
-    evaluator: nn.Module  # what the task evaluates: the policy, or under FSDP2 a full copy of the published weights
+    evaluator: nn.Module  # what the task evaluates: the policy, or under FSDP2 a tree over the published weights
     rank_rows: slice  # this rank's rows of every batch
     sample_generator: torch.Generator  # sampling, offset per rank
     shuffle_generator: torch.Generator  # minibatch row orders
