@@ -2569,28 +2569,25 @@ def test_torchrun_an_environment_that_fails_on_one_rank_stops_every_rank_with_it
 def test_torchrun_critic_free_ddp_and_fsdp2_train_and_resume(tmp_path):
     write_reward_module(tmp_path)
     base = [digest_script(tmp_path), *LOOP, "--steps", "3", "--save-every", "2", "--samples-per-prompt", "4"]
-    # with micro-batches every row is scored and updated (the ranks' micro-batch counts agree); without, the dropped
-    # flat groups skip their forwards, so the ranks' row counts differ
-    # rloo: LoRA under DDP and under FSDP2 (adapters synchronised or sharded, the merged weights published and resumed
-    # alike on both ranks; FSDP2's: gathered from the shards, and equal to DDP's up to the order of the reductions)
+    # LoRA under DDP and under FSDP2 (adapters synchronised or sharded, the merged weights published and resumed alike
+    # on both ranks; FSDP2's: gathered from the shards, and equal to DDP's up to the order of the reductions). Whole
+    # minibatches: the dropped flat groups skip their forwards, so the ranks' row counts differ
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
-    for name, more in (("rloo", ["--micro-batch-size", "2", "--lora-rank", "4"]),
-                       ("rloo-fsdp", ["--fsdp", "--micro-batch-size", "2", "--lora-rank", "4"]),
-                       ("grpo-skip", ["--fsdp", "--micro-batch-size", "0"])):
+    for name, more in (("ddp", []), ("fsdp", ["--fsdp"])):
         out_dir = tmp_path / name
-        out = torchrun([*base, "--advantage", name[:4], *more, "--output-dir", str(out_dir)], tmp_path).stdout
+        out = torchrun([*base, "--advantage", "rloo", "--lora-rank", "4", "--micro-batch-size", "0", *more,
+                        "--output-dir", str(out_dir)], tmp_path).stdout
         full, saved = digests(out), saved_keys(pt.checkpoints(out_dir)[-1])
         assert full[0] == full[1] and not any(k.startswith("critic") for k in saved)
         assert sum(r.get("zero_std_groups", 0) for r in read_metrics(out_dir)) > 0  # (flat groups were dropped)
-        if name.startswith("rloo"):  # LoRA: a checkpoint holds the adapters (and their Adam states), not the base
-            actor = [k for k in saved if k.startswith("actor.")]  # (the weights; actor_optimizer: their Adam states)
-            assert actor and all("lora_" in k for k in actor)
-        if name == "rloo-fsdp":  # (DDP's and one process's resume: test_resume_after_kill_...[lora], ..._two_ranks_...)
+        actor = [k for k in saved if k.startswith("actor.")]  # LoRA: a checkpoint holds the adapters (and their Adam
+        assert actor and all("lora_" in k for k in actor)  # states: actor_optimizer), not the frozen base
+        if name == "fsdp":  # (DDP's and one process's resume: test_resume_after_kill_...[lora], ..._two_ranks_...)
             resumed = torchrun([base[0], "--resume", str(pt.checkpoints(out_dir)[0])], tmp_path).stdout
             assert "step-00000002 after iteration 2/3" in resumed and digests(resumed) == full, name
             assert "reference sharded over 2 ranks (FSDP2)" in out  # (the base's tree, adapters off)
-            ddp, fsdp = (AutoModelForCausalLM.from_pretrained(tmp_path / d / "policy") for d in ("rloo", name))
+            ddp, fsdp = (AutoModelForCausalLM.from_pretrained(tmp_path / d / "policy") for d in ("ddp", "fsdp"))
             adapted = PeftModel.from_pretrained(pt.build_demo_policy(pt.build_demo_tokenizer(), seed=1),
                                                 out_dir / "policy_adapter").merge_and_unload()
             for (key, a), b, c in zip(ddp.state_dict().items(), fsdp.state_dict().values(),
