@@ -1336,6 +1336,37 @@ def test_lora_trains_only_adapters_and_the_value_head_over_one_base_that_is_the_
         assert torch.allclose(dict(adapted.named_parameters())[name], weight, rtol=0, atol=1e-6), name
 
 
+@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning", "ignore:fan_in_fan_out:UserWarning")
+@pytest.mark.parametrize("family", ["llama-tied", "qwen2", "gpt2"])
+def test_lora_publishes_peft_merge_in_the_samplers_order(tokenizer, family):
+    """merged_weights (what a publish sends the sampler, and policy/) against peft's own merge_and_unload: a tied
+    Llama (each weight once), a Qwen2 (biases) and a GPT-2 (Conv1D: fan_in_fan_out), name by name in the order of the
+    sampler's flat buffer."""
+    import copy
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    if family == "qwen2":
+        torch.manual_seed(0)
+        policy = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2,
+                                              num_attention_heads=4, num_key_value_heads=2, intermediate_size=64))
+    else:
+        policy = tiny_llama(len(tokenizer), tie_word_embeddings=True) if family == "llama-tied" else \
+            tiny_gpt2(len(tokenizer))
+    lora, reference, _ = pt.lora_models(policy.float().eval(), pt.Config(lora_rank=4, device="cpu"), torch.float32)
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_()  # (peft starts B at 0: its merge would be the base)
+    sampler, _ = pt.sampler_copy(reference, torch.float32)
+    expected = copy.deepcopy(lora).merge_and_unload()
+    with torch.no_grad():
+        merged = list(pt.merged_weights(policy))
+    assert len(merged) == len(list(sampler.parameters())) == len(list(expected.parameters()))
+    for (name, p), w, (name_, e) in zip(sampler.named_parameters(), merged, expected.named_parameters()):
+        assert name == name_ and w.shape == p.shape, (name, name_)
+        torch.testing.assert_close(w, e, rtol=0, atol=1e-6, msg=name)
+    assert any(not torch.equal(w, p) for w, p in zip(merged, reference.parameters()))  # (the adapters count)
+
+
 @pytest.mark.skipif(not pt.native_bf16(torch.device("cpu")), reason="this CPU has no bf16 matmuls (AVX512-BF16, AMX)")
 @pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")  # (peft)
 def test_lora_bf16_over_a_tied_embedding_trains_and_its_sampler_is_one_bf16_buffer(tmp_path, tokenizer, monkeypatch):
