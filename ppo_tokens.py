@@ -310,8 +310,8 @@ def train(cfg: Config, run, output_dir: str, threaded=None, ctx: Dist = Dist()):
                 shuffle = [torch.randperm(len(batch.response), generator=t.shuffle_generator)
                            for _ in range(cfg.ppo_epochs)]  # each epoch's row order; the first one also scores
                 kl = score_trainer(batch, t.actor, t.critic, cfg, shuffle[0], version=step - 1)
-                for model in (t.actor, t.critic):  # FSDP2: a no-grad forward leaves the root's weights gathered
-                    getattr(model, "reshard", lambda: None)()
+                for model in (t.actor, t.critic):
+                    reshard(model)
                 problem = nonfinite(batch)  # the non-finite guard, decided by all ranks together
                 if any_rank(problem is not None, device) and torch.distributed.is_initialized():
                     problem = "; ".join(f"rank {r}: {p}" for r, p in enumerate(gather_objects(problem)) if p)
@@ -642,7 +642,7 @@ def score_frozen(batch: Rollout, reference, cfg: Config, group=None):
     for rows in itertools.chain(*micro_batch_rows(batch, minibatches, cfg, ranks_agree=group is not None, group=group)):
         with autocast(cfg, batch.response.device):  # as the trainer's forwards (--lora-rank: a bf16 base, fp32 head)
             batch.ref_logprobs[rows] = rollout_logprobs(reference, batch.rows(rows), cfg)[0]
-    getattr(reference, "reshard", lambda: None)()  # (as the trainer's models in train())
+    reshard(reference)
 
 
 def choose_loss_tokens(batch: Rollout, cfg: Config):
@@ -1226,7 +1226,8 @@ def memory_parts(cfg: Config, device, world: int, policy, reward_model) -> dict:
     n, shards, critic = count([policy]), world if cfg.fsdp else 1, ADVANTAGES[cfg.advantage].critic  # FSDP2: shards
     frozen = torch.finfo(getattr(torch, cfg.dtype)).bits // 8  # bytes a parameter of the frozen models
     base = torch.finfo(trained_dtype(cfg)).bits // 8  # (--lora-rank: the base's bytes a parameter; else fp32)
-    sampler = (1 + (cfg.max_staleness > 0)) * (2 if device.type == "cuda" else base) * n  # (+ WeightSync's staging)
+    one_copy = (2 if device.type == "cuda" else base) * n  # the sampler's weights (GPU: bf16)
+    sampler = (1 + (cfg.max_staleness > 0)) * one_copy  # (+ WeightSync's staging)
     frozen /= shards if shards_frozen(cfg, device) and not cfg.offload else 1  # (FSDP2: the frozen models sharded)
 
     def in_use(model):  # --offload: the parameters outside its decoder layers, and one layer at a time
@@ -1255,7 +1256,7 @@ def memory_parts(cfg: Config, device, world: int, policy, reward_model) -> dict:
                "Adam at a step": (8 - adam) * max(n, n_critic) / shards}  # --offload: one model's moments at a time
     if host:  # FSDP2's CPUOffloadPolicy: all on the host; one model's root and layer gathered (weights, gradients)
         trained = {"trained, gathered": 8 * in_use(policy)}
-    publish = sampler / (1 + (cfg.max_staleness > 0)) if wrapped else 0  # (kernels.gather_shards' receive buffer)
+    publish = one_copy if wrapped else 0  # (kernels.gather_shards' receive buffer)
     return {**trained, "reference": frozen * in_use(policy), "reward model": reward, "sampler": sampler,
             "publish's gather": publish}
 
@@ -1446,9 +1447,7 @@ def offload_moments(optimizer):
                 else:  # (its last copy to the device, before the step, came first on this stream)
                     if (p, k) not in pinned:
                         pinned[p, k] = torch.empty_like(v, device="cpu", pin_memory=True)
-                    state[k] = pinned[p, k].copy_(v, non_blocking=True)
-        if to_host:
-            torch.cuda.current_stream().synchronize()  # a checkpoint reads them on the host
+                    state[k] = pinned[p, k].copy_(v, non_blocking=True)  # (checkpoint_state syncs before reading)
     optimizer.register_step_pre_hook(lambda *_: move(False))
     optimizer.register_step_post_hook(lambda *_: move(True))
 
@@ -1506,6 +1505,10 @@ def fsdp_shard(model, group=None, **options):  # FSDP2 over group's ranks (None:
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh, **options)
     return fully_shard(model, mesh=mesh, **options)
+
+
+def reshard(model):  # FSDP2 (of older torch too) keeps the root's weights gathered after a no-grad forward
+    getattr(model, "reshard", lambda: None)()
 
 
 def shards_frozen(cfg: Config, device) -> bool:
@@ -1644,7 +1647,7 @@ def reward_model_scores(reward_model, rm_tokenizer, policy_tokenizer, batch, use
     for rows in torch.arange(ids.shape[0], device=ids.device).split(micro_batch_size):
         out = reward_model(ids[rows], mask[rows], positions(mask[rows]))  # (b, L)
         scores.append(out.gather(1, last[rows, None]).squeeze(1))
-    getattr(reward_model, "reshard", lambda: None)()  # (older FSDP2 keeps the root gathered after a forward)
+    reshard(reward_model)
     return torch.cat(scores)
 
 
@@ -2405,6 +2408,8 @@ def checkpoint_state(actor, critic, optimizers, schedules, ctx: Dist, sampler_rn
     dicts (sharded under FSDP2), and under this rank's own key its RNG states and loop (step, ...; DCP keeps one copy
     of a key that every rank saves, not necessarily rank 0's, and only rank 0 evaluates)."""
     from torch.distributed.checkpoint import state_dict as dcp_state
+    if torch.cuda.is_available():  # --offload: Adam's moments come to the host without a sync (offload_moments)
+        torch.cuda.synchronize()
     rngs = {"sampler_rng": sampler_rng, "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
     state = {"schedules": [s.state_dict() for s in schedules], "shuffle_rng": shuffle_generator.get_state(),

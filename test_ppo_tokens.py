@@ -3345,7 +3345,8 @@ def test_cuda_offload_ends_with_the_weights_of_a_resident_run(tmp_path, tokenize
                                                     pad_token_id=tokenizer.pad_token_id))
     rm.save_pretrained(tmp_path / "rm")
     tokenizer.save_pretrained(tmp_path / "rm")
-    base = [*CUDA_LOOP, "--reward", "", "--reward-model", str(tmp_path / "rm"), "--max-staleness", "1"]
+    base = [*CUDA_LOOP, "--reward", "", "--reward-model", str(tmp_path / "rm"), "--max-staleness", "1",
+            "--save-every", "2"]  # (a checkpoint reads the moments on the host: checkpoint_state syncs for it)
     for name, flags in (("resident", []), ("offloaded", ["--offload"])):
         out = run_cuda_script([*base, *flags, "--output-dir", str(tmp_path / name)], tmp_path)
         cuda_records(tmp_path / name, 3)
@@ -3488,7 +3489,7 @@ def test_cuda_set_up_sets_the_device_and_the_matmul_precision(tmp_path):
 
 @cuda
 @pytest.mark.parametrize("flags", [[], ["--fsdp"], ["--fsdp", "--offload"]], ids=["ddp", "fsdp", "fsdp-offload"])
-def test_cuda_torchrun_nccl(tmp_path, flags):  # fsdp-offload: the sharded reference's CPUOffloadPolicy, FSDP2's moments
+def test_cuda_torchrun_nccl(tmp_path, flags):  # fsdp-offload: CPUOffloadPolicy on every model, gloo beside NCCL
     write_reward_module(tmp_path)
     for nproc in (1, 2) if torch.cuda.device_count() > 1 else (1,):
         out = torchrun([digest_script(tmp_path), *CUDA_LOOP, "--micro-batch-size", "4", *flags,
