@@ -1208,12 +1208,25 @@ def plan_memory(cfg: Config, device, world: int, policy, reward_model):
     unit, size = ("GiB", gib) if total >= gib else ("MiB", 2**20)
     shown = ", ".join(f"{k} {v / size:.2f}" for k, v in parts.items() if v)
     print(f"memory on {device} before activations, {unit}: {shown} = {total / size:.2f} of {capacity / size:.0f}")
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # torchrun: the processes that share this host's memory
+    host = lambda **flag: ranks * sum(host_parts(dataclasses.replace(cfg, **flag), device, world,  # noqa: E731
+                                                 policy, reward_model).values())
+    if cfg.offload:  # what --offload moved, in (pinned) host memory, beside the process's own
+        parts, ram = host_parts(cfg, device, world, policy, reward_model), device_memory(torch.device("cpu"))
+        print(f"memory on the host (--offload){f', per rank ({ranks} on this host)' if ranks > 1 else ''}, GiB: "
+              + ", ".join(f"{k} {v / gib:.2f}" for k, v in parts.items() if v) + f" of {ram / gib:.0f}")
+        if host() > ram:
+            lora = host(lora_rank=16)
+            fits = [f"--lora-rank 16 (~{lora / gib:.0f} GiB)"] if not cfg.lora_rank and lora < ram else []
+            raise SystemExit(f"--offload: this run needs ~{host() / gib:.0f} GiB of host memory, more than its "
+                             f"{ram / gib:.0f} GiB: try {' or '.join(fits + ['fewer ranks a host', 'a smaller model'])}")
     if total > capacity:  # what the run would need with another flag (the same parts)
         needs = lambda gpus=world, **flag: sum(memory_parts(dataclasses.replace(cfg, **flag), device,  # noqa: E731
                                                             gpus, policy, reward_model).values())
         lora, offload = needs(lora_rank=16), needs(offload=True)
         fits = [f"--lora-rank 16 (~{lora / gib:.0f} GiB)"] if not cfg.lora_rank and lora < capacity else []
-        fits += [f"--offload (~{offload / gib:.0f} GiB)"] if device.type == "cuda" and offload < capacity else []
+        fits += [f"--offload (~{offload / gib:.0f} GiB)"] if device.type == "cuda" and offload < capacity and \
+            host(offload=True) <= device_memory(torch.device("cpu")) else []  # (if the host holds what it moves)
         gpus = next((n for n in range(max(2, world + 1), 257) if needs(n, fsdp=True) <= capacity), None)
         if gpus:  # FSDP2 over the fewest GPUs that each hold what the memory line counts
             fits.append(f"sharding over {gpus} GPUs (torchrun --nproc_per_node {gpus} ... --fsdp)")
@@ -1236,10 +1249,7 @@ def memory_parts(cfg: Config, device, world: int, policy, reward_model) -> dict:
     wrapped = cfg.fsdp and (world > 1 or torch.distributed.is_initialized())  # (torchrun: FSDP2 wraps at world 1 too)
     reward, host = frozen * in_use(reward_model), cfg.offload and wrapped  # (host: the trained models' CPUOffload)
     if cfg.lora_rank:  # fp32 adapters (+ gradients, Adam: 16 bytes) of each adapted layer; one shared base
-        names = None if cfg.lora_targets == "all-linear" else lora_targets(cfg)
-        adapted = [m for name, m in backbone_of(policy).named_modules() if isinstance(m, nn.Linear) and
-                   (names is None or lora_matches(name, names))]
-        n_lora = cfg.lora_rank * sum(m.in_features + m.out_features for m in adapted)
+        n_lora = lora_parameters(cfg, policy)
         head = count([policy.get_output_embeddings()])  # fp32 (lora_models; tied: the embedding with it)
         trees = {"base": base * n + (4 - base) * head}
         if wrapped:  # FSDP2 gives each tree shards of its own (the critic's: the backbone, not the head)
@@ -1247,7 +1257,8 @@ def memory_parts(cfg: Config, device, world: int, policy, reward_model) -> dict:
                      "critic base": base * count([backbone_of(policy)]) / shards * critic,
                      "reference": trees["base"] / (shards if shards_frozen(cfg, device) else 1)}
         if host:  # FSDP2's CPUOffloadPolicy: each tree's shards on the host, gathered a layer at a time
-            trees = {"base, gathered": base * in_use(policy)}
+            trees = {"base, gathered": base * in_use(policy), "reference": 0 if shards_frozen(cfg, device) else
+                     trees["reference"]}  # (a replicated reference tree: whole on the device)
         return {**trees, "policy adapters+grads+Adam": 16 * n_lora / shards,
                 "critic adapters+grads+Adam": 16 * n_lora * critic / shards, "reward model": reward, "sampler": sampler}
     n_critic, adam = count([backbone_of(policy)]) * critic, 0 if cfg.offload else 8  # (--offload: in for its step)
@@ -1259,6 +1270,36 @@ def memory_parts(cfg: Config, device, world: int, policy, reward_model) -> dict:
     publish = one_copy if wrapped else 0  # (kernels.gather_shards' receive buffer)
     return {**trained, "reference": frozen * in_use(policy), "reward model": reward, "sampler": sampler,
             "publish's gather": publish}
+
+
+def host_parts(cfg: Config, device, world: int, policy, reward_model) -> dict:  # {part: bytes on the host, a rank}
+    """What --offload moved to the host: the trained models' Adam moments (FSDP2's CPUOffloadPolicy: their fp32
+    shards, gradients and Adam), the frozen models' decoder layers (sharded: their shards), as memory_parts counts."""
+    if not cfg.offload:
+        return {}
+    count = lambda modules: sum(p.numel() for m in modules if m is not None for p in m.parameters())  # noqa: E731
+    shards, critic = world if cfg.fsdp else 1, ADVANTAGES[cfg.advantage].critic
+    wrapped = cfg.fsdp and (world > 1 or torch.distributed.is_initialized())
+    sharded = wrapped and shards_frozen(cfg, device)  # (the frozen models too)
+    frozen = torch.finfo(getattr(torch, cfg.dtype)).bits // 8
+
+    def layers(model):  # a frozen model's pinned decoder layers, or its shards (FSDP2's CPUOffloadPolicy)
+        return 0 if model is None else frozen * (count([model]) / shards if sharded else count(decoder_layers(model)))
+    n, n_backbone = count([policy]), count([backbone_of(policy)]) * critic
+    if cfg.lora_rank:  # the adapters train; under FSDP2 each base tree's shards are on the host too
+        trained, base = lora_parameters(cfg, policy) * (1 + critic), torch.finfo(trained_dtype(cfg)).bits // 8
+        trees = {"base trees": base * (n * (1 + sharded) + n_backbone) / shards} if wrapped else {}
+        reference = 0  # (the base without its adapters)
+    else:
+        trained, trees, reference = n + n_backbone, {}, layers(policy)
+    moments = {"trained weights+grads+Adam": 16 * trained / shards} if wrapped else {"Adam moments": 8 * trained}
+    return {**trees, **moments, "reference": reference, "reward model": layers(reward_model)}
+
+
+def lora_parameters(cfg: Config, policy) -> int:  # --lora-rank: the parameters of the adapters of one model tree
+    names = None if cfg.lora_targets == "all-linear" else lora_targets(cfg)
+    return cfg.lora_rank * sum(m.in_features + m.out_features for name, m in backbone_of(policy).named_modules()
+                               if isinstance(m, nn.Linear) and (names is None or lora_matches(name, names)))
 
 
 PAD_TOKEN = "<|ppo_tokens_pad|>"

@@ -1269,6 +1269,34 @@ def test_memory_line_counts_each_part_and_a_run_that_cannot_fit_stops_before_loa
     monkeypatch.setattr(pt, "device_memory", lambda device: sum(parts.values()) + 1)  # holds it offloaded only
     with pytest.raises(SystemExit, match=r"try --lora-rank 16 \(~0 GiB\) or --offload \(~0 GiB\) or sharding"):
         pt.plan_memory(pt.parse_config(argv), gpu, 1, model, rm)
+    # the host's line (--offload): Adam's moments and the frozen models' layers, pinned; FSDP2: each rank's shards
+    rm_layers = sum(p.numel() for p in rm.model.layers.parameters())
+    host = {"Adam moments": 8 * (n + n_backbone), "reference": 4 * layers, "reward model": 4 * rm_layers}
+    assert pt.host_parts(offload, gpu, 1, model, rm) == host and pt.host_parts(stale, gpu, 1, model, rm) == {}
+    fsdp_offload = dataclasses.replace(offload, fsdp=True)
+    assert pt.host_parts(fsdp_offload, gpu, 2, model, rm) == {  # (the LoRA base: the policy's, reference's, critic's)
+        "trained weights+grads+Adam": 8 * (n + n_backbone), "reference": 2 * n, "reward model": 2 * n_rm}
+    assert pt.host_parts(dataclasses.replace(fsdp_offload, lora_rank=4), gpu, 2, model, rm) == {
+        "base trees": 2 * (2 * n + n_backbone), "trained weights+grads+Adam": 8 * 2 * 4 * n_lora, "reference": 0,
+        "reward model": 2 * n_rm}
+    lora_host = sum(pt.host_parts(dataclasses.replace(offload, lora_rank=16), gpu, 1, model, rm).values())
+    ram = (lora_host + sum(host.values())) // 2  # a host that holds --offload with LoRA, not without
+    monkeypatch.setattr(pt, "device_memory", lambda device: ram if device.type == "cpu" else 2**40)
+    with pytest.raises(SystemExit, match=r"^--offload: this run needs ~0 GiB of host memory, more than its 0 GiB: try "
+                                         r"--lora-rank 16 \(~0 GiB\) or fewer ranks a host or a smaller model$"):
+        pt.plan_memory(offload, gpu, 1, model, rm)
+    assert "memory on the host (--offload), GiB: Adam moments 0.00, reference 0.00" in capsys.readouterr().out
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two ranks on the host: twice the LoRA run's part still fits
+    monkeypatch.setattr(pt, "device_memory", lambda device: 2 * lora_host + 1 if device.type == "cpu" else 2**40)
+    pt.plan_memory(dataclasses.replace(offload, lora_rank=16), gpu, 1, model, rm)
+    assert "memory on the host (--offload), per rank (2 on this host)" in capsys.readouterr().out
+    monkeypatch.setattr(pt, "device_memory", lambda device: 2 * lora_host - 1 if device.type == "cpu" else 2**40)
+    with pytest.raises(SystemExit, match="of host memory"):
+        pt.plan_memory(dataclasses.replace(offload, lora_rank=16), gpu, 1, model, rm)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")  # a GPU that holds the run only offloaded, on a host too small for it:
+    monkeypatch.setattr(pt, "device_memory", lambda device: 1 if device.type == "cpu" else sum(parts.values()) + 1)
+    with pytest.raises(SystemExit, match=r"try --lora-rank 16 \(~0 GiB\) or sharding"):  # --offload not suggested
+        pt.plan_memory(pt.parse_config(argv), gpu, 1, model, rm)
     loaded.clear()
     lora_16, held = sum(lora.values()) + 2 * 16 * 12 * n_lora, 8 * n  # (rank 16: 4 times the adapters; held: the
     # sampler, and the receive buffer of a publish's gather)
