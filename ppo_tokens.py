@@ -1218,8 +1218,9 @@ def plan_memory(cfg: Config, device, world: int, policy, reward_model):
         if host() > ram:
             lora = host(lora_rank=16)
             fits = [f"--lora-rank 16 (~{lora / gib:.0f} GiB)"] if not cfg.lora_rank and lora < ram else []
+            fits += ["fewer ranks a host", "a smaller model"]
             raise SystemExit(f"--offload: this run needs ~{host() / gib:.0f} GiB of host memory, more than its "
-                             f"{ram / gib:.0f} GiB: try {' or '.join(fits + ['fewer ranks a host', 'a smaller model'])}")
+                             f"{ram / gib:.0f} GiB: try {' or '.join(fits)}")
     if total > capacity:  # what the run would need with another flag (the same parts)
         needs = lambda gpus=world, **flag: sum(memory_parts(dataclasses.replace(cfg, **flag), device,  # noqa: E731
                                                             gpus, policy, reward_model).values())
@@ -1491,6 +1492,7 @@ def offload_moments(optimizer):
                     state[k] = pinned[p, k].copy_(v, non_blocking=True)  # (checkpoint_state syncs before reading)
     optimizer.register_step_pre_hook(lambda *_: move(False))
     optimizer.register_step_post_hook(lambda *_: move(True))
+    optimizer.register_load_state_dict_post_hook(lambda _: move(True))  # (a resume: loading casts them to the GPU)
 
 
 def decoder_layers(model):  # the transformer blocks: the longest ModuleList
@@ -2444,10 +2446,11 @@ def trained_only():  # what a checkpoint holds of a model: the trained weights (
     return dcp_state.StateDictOptions(ignore_frozen_params=True, strict=False)  # (dcp.load checks every key it holds)
 
 
-def checkpoint_state(actor, critic, optimizers, schedules, ctx: Dist, sampler_rng, shuffle_generator, **loop) -> dict:
-    """What a checkpoint holds, as DCP saves it and (into placeholders of the same shapes) loads it in place: the state
-    dicts (sharded under FSDP2), and under this rank's own key its RNG states and loop (step, ...; DCP keeps one copy
-    of a key that every rank saves, not necessarily rank 0's, and only rank 0 evaluates)."""
+def checkpoint_state(actor, critic, optimizers, schedules, ctx: Dist, sampler_rng, shuffle_generator, loading=False,
+                     **loop) -> dict:
+    """What a checkpoint holds, as DCP saves it and (loading: into placeholders of the same shapes) loads it in place:
+    the state dicts (sharded under FSDP2), and under this rank's own key its RNG states and loop (step, ...; DCP keeps
+    one copy of a key that every rank saves, not necessarily rank 0's, and only rank 0 evaluates)."""
     from torch.distributed.checkpoint import state_dict as dcp_state
     if torch.cuda.is_available():  # --offload: Adam's moments come to the host without a sync (offload_moments)
         torch.cuda.synchronize()
@@ -2460,8 +2463,8 @@ def checkpoint_state(actor, critic, optimizers, schedules, ctx: Dist, sampler_rn
             fresh = not optimizer.state  # no step yet: get_state_dict makes a state (AdamW's step 1), taken back here
             state[name], state[f"{name}_optimizer"] = dcp_state.get_state_dict(model, optimizer, options=trained_only())
             state[f"{name}_fresh"] = fresh
-            if fresh:
-                optimizer.state.clear()
+            if fresh and not loading:  # (loading: the state is the placeholder; cleared, set_state_dict would make
+                optimizer.state.clear()  # another, by a step whose offload_moments overwrites what was loaded)
     return state
 
 
@@ -2478,7 +2481,7 @@ def load_checkpoint(path: str, actor, critic, optimizers, schedules, ctx: Dist =
     device = device or next(actor.parameters()).device
     drawn = {"prompts_drawn": 0} if f"rank{ctx.rank}.prompts_drawn" in saved else {}  # (older checkpoints: none)
     state = checkpoint_state(actor, critic, optimizers, schedules, ctx, torch.Generator(device).get_state(),
-                             torch.Generator(), step=0, first_accuracy=None, time_s=0.0, **drawn)
+                             torch.Generator(), loading=True, step=0, first_accuracy=None, time_s=0.0, **drawn)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is disabled")  # (a single process loads alone)
         dcp.load(state, checkpoint_id=path)

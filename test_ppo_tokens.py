@@ -1316,6 +1316,53 @@ def test_memory_line_counts_each_part_and_a_run_that_cannot_fit_stops_before_loa
         pt.setup(pt.parse_config(argv))
 
 
+def test_offload_on_a_cpu_moves_what_it_says_and_ends_with_a_resident_runs_weights_resumed_too(tmp_path, tokenizer,
+                                                                                                 monkeypatch):
+    """--offload's logic, where a CPU can run it: the flag is refused on a CPU (no pinned memory), so here pinning is a
+    copy and the flag is set after setup's check. Outside each forward the frozen models' decoder layers hold their
+    host copies; Adam's moments live in buffers of their own between steps (a checkpoint reads them, a resume loads
+    into them); the run, its sampler thread scoring the reference, ends with a resident run's weights to the bit, and
+    so does its resume (which once lost the moments it loaded: set_state_dict's initialising step wrote over them).
+    The GPU's twin (not yet run): test_cuda_offload_ends_with_the_weights_of_a_resident_run."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+    rm = LlamaForSequenceClassification(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2,
+                                                    num_attention_heads=2, intermediate_size=64, num_labels=1,
+                                                    pad_token_id=tokenizer.pad_token_id))
+    rm.save_pretrained(tmp_path / "rm")
+    tokenizer.save_pretrained(tmp_path / "rm")
+    pinned, empty_like = [], torch.empty_like
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: pinned.append(self.clone()) or pinned[-1])
+    monkeypatch.setattr(torch, "empty_like", lambda *a, pin_memory=False, **k: (
+        pinned.append(empty_like(*a, **k)) or pinned[-1]) if pin_memory else empty_like(*a, **k))
+
+    def train(name, offload, **flags):
+        cfg = pt.make_config(demo_hidden=32, demo_layers=2, demo_warmup_steps=0, steps=3, batch_size=16, minibatches=2,
+                             response_length=6, reward_model=str(tmp_path / "rm"), eval_size=40, sample_every=0,
+                             save_every=2, device="cpu", demo_cache=str(tmp_path / "cache"), **flags)
+        run = pt.setup(cfg)
+        if offload:  # (setup's refusal passed: what setup then does with the flag)
+            cfg.offload = True
+            for model in (run.reference.policy, run.reward_model):
+                pt.offload_layers(model, cfg, run.device)
+        os.makedirs(tmp_path / name, exist_ok=True)
+        pt.train(cfg, run, str(tmp_path / name), threaded=True)
+        return run
+
+    resident, offloaded = train("resident", False), train("offloaded", True)
+    layers = [layer for m in (offloaded.reference.policy, offloaded.reward_model) for layer in pt.decoder_layers(m)]
+    assert all(p.data_ptr() == host.data_ptr() for layer in layers for p, host in zip(layer.parameters(),
+                                                                                       layer.host_weights))
+    moments = 2 * sum(p.requires_grad for m in (offloaded.policy, offloaded.critic) for p in m.parameters())
+    assert len(pinned) == sum(len(layer.host_weights) for layer in layers) + moments  # (exp_avg, exp_avg_sq)
+    shutil.copytree(tmp_path / "offloaded", tmp_path / "resumed")
+    resumed = train("resumed", True, resume=pt.checkpoints(tmp_path / "resumed")[0])
+    for run in (offloaded, resumed):
+        for model in ("policy", "critic"):
+            for (name, a), b in zip(getattr(resident, model).state_dict().items(),
+                                    getattr(run, model).state_dict().values()):
+                assert torch.equal(a, b), ("resumed" if run is resumed else "offloaded", model, name)
+
+
 @pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")  # (peft's from_pretrained)
 def test_lora_trains_only_adapters_and_the_value_head_over_one_base_that_is_the_reference_bit_for_bit(tmp_path,
                                                                                                       monkeypatch):
