@@ -2730,6 +2730,17 @@ def test_torchrun_two_ranks_ddp_and_fsdp2_train_resume_and_stay_identical(tmp_pa
     assert any(not torch.equal(a, b) for a, b in zip(ddp_policy.state_dict().values(), earlier.state_dict().values()))
     resumed = torchrun([args[0], "--resume", str(pt.checkpoints(tmp_path / "fsdp")[0])], tmp_path).stdout
     assert "step-00000002 after iteration 2/3" in resumed and digests(resumed) == fsdp  # the same final weights
+    (tmp_path / "offload_on_a_cpu.py").write_text(  # --fsdp --offload's logic (CUDA only): FSDP2's CPUOffloadPolicy
+        f"import runpy, sys\nsys.path.insert(0, {HERE!r})\nimport ppo_tokens, torch.distributed.fsdp as fsdp\n"
+        "made, offload_policy, setup = [], fsdp.CPUOffloadPolicy, ppo_tokens.setup\n"  # (a CPU has no pinned memory)
+        "fsdp.CPUOffloadPolicy = lambda: made.append(1) or offload_policy(pin_memory=False)\n"
+        "def past_the_refusal(cfg, ctx):  # setup refuses --offload on a CPU: the flag comes back after it\n"
+        "    cfg.offload = False\n    run = setup(cfg, ctx)\n    cfg.offload = True\n    return run\n"
+        "ppo_tokens.setup = past_the_refusal\nrunpy.run_path(sys.argv.pop(1), run_name='__main__')\n"
+        "print('CPUOffloadPolicy:', len(made), 'models', flush=True)\n")
+    out = torchrun([tmp_path / "offload_on_a_cpu.py", *args, "--fsdp", "--offload", "--output-dir",
+                    str(tmp_path / "offload")], tmp_path).stdout  # (its GPU twin: test_cuda_torchrun_nccl)
+    assert digests(out) == fsdp and "CPUOffloadPolicy: 3 models" in out  # (the policy, critic and reference)
     (tmp_path / "rank_one_fails.py").write_text("import os\ndef score(prompts, completions):\n"
                                                "    if os.environ['RANK'] == '1':\n"
                                                "        raise RuntimeError('reward server unreachable from rank 1')\n"
