@@ -1316,8 +1316,10 @@ def test_memory_line_counts_each_part_and_a_run_that_cannot_fit_stops_before_loa
         pt.setup(pt.parse_config(argv))
 
 
+@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")  # (peft's from_pretrained)
+@pytest.mark.parametrize("lora", [{}, {"lora_rank": 4}], ids=["full", "lora"])
 def test_offload_on_a_cpu_moves_what_it_says_and_ends_with_a_resident_runs_weights_resumed_too(tmp_path, tokenizer,
-                                                                                                 monkeypatch):
+                                                                                                 monkeypatch, lora):
     """--offload's logic, where a CPU can run it: the flag is refused on a CPU (no pinned memory), so here pinning is a
     copy and the flag is set after setup's check. Outside each forward the frozen models' decoder layers hold their
     host copies; Adam's moments live in buffers of their own between steps (a checkpoint reads them, a resume loads
@@ -1338,18 +1340,19 @@ def test_offload_on_a_cpu_moves_what_it_says_and_ends_with_a_resident_runs_weigh
     def train(name, offload, **flags):
         cfg = pt.make_config(demo_hidden=32, demo_layers=2, demo_warmup_steps=0, steps=3, batch_size=16, minibatches=2,
                              response_length=6, reward_model=str(tmp_path / "rm"), eval_size=40, sample_every=0,
-                             save_every=2, device="cpu", demo_cache=str(tmp_path / "cache"), **flags)
+                             save_every=2, device="cpu", demo_cache=str(tmp_path / "cache"), **lora, **flags)
         run = pt.setup(cfg)
-        if offload:  # (setup's refusal passed: what setup then does with the flag)
+        if offload:  # (setup's refusal passed: what setup then does with the flag; LoRA's reference is the base)
             cfg.offload = True
-            for model in (run.reference.policy, run.reward_model):
+            for model in (run.reward_model,) if lora else (run.reference.policy, run.reward_model):
                 pt.offload_layers(model, cfg, run.device)
         os.makedirs(tmp_path / name, exist_ok=True)
         pt.train(cfg, run, str(tmp_path / name), threaded=True)
         return run
 
     resident, offloaded = train("resident", False), train("offloaded", True)
-    layers = [layer for m in (offloaded.reference.policy, offloaded.reward_model) for layer in pt.decoder_layers(m)]
+    frozen = (offloaded.reward_model,) if lora else (offloaded.reference.policy, offloaded.reward_model)
+    layers = [layer for m in frozen for layer in pt.decoder_layers(m)]
     assert all(p.data_ptr() == host.data_ptr() for layer in layers for p, host in zip(layer.parameters(),
                                                                                        layer.host_weights))
     moments = 2 * sum(p.requires_grad for m in (offloaded.policy, offloaded.critic) for p in m.parameters())
