@@ -1192,10 +1192,14 @@ def meta_model(path: str, causal=True):  # the model at `path` without its weigh
         return None
 
 
-def device_memory(device) -> int:  # bytes: the GPU's, or the host's RAM
+def device_memory(device) -> int:  # bytes: the GPU's, or the host's RAM (within a container's limit: cgroup v2's)
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        return min(ram, int(open("/sys/fs/cgroup/memory.max").read()))
+    except (OSError, ValueError):  # (no such file, or "max": no limit)
+        return ram
 
 
 def plan_memory(cfg: Config, device, world: int, policy, reward_model):
@@ -1203,22 +1207,24 @@ def plan_memory(cfg: Config, device, world: int, policy, reward_model):
     its memory; where they exceed it, a stop, before the big models load, that says what would fit."""
     if policy is None:
         return
-    parts, capacity, gib = memory_parts(cfg, device, world, policy, reward_model), device_memory(device), 2**30
-    total = sum(parts.values())
-    unit, size = ("GiB", gib) if total >= gib else ("MiB", 2**20)
-    shown = ", ".join(f"{k} {v / size:.2f}" for k, v in parts.items() if v)
-    print(f"memory on {device} before activations, {unit}: {shown} = {total / size:.2f} of {capacity / size:.0f}")
+    def show(where: str, parts: dict, capacity: int):
+        total = sum(parts.values())
+        unit, size = ("GiB", gib) if total >= gib else ("MiB", 2**20)
+        shown = ", ".join(f"{k} {v / size:.2f}" for k, v in parts.items() if v)
+        print(f"memory on {where}, {unit}: {shown} = {total / size:.2f} of {capacity / size:.0f}")
+        return total
+    capacity, ram, gib = device_memory(device), device_memory(torch.device("cpu")), 2**30
+    total = show(f"{device} before activations", memory_parts(cfg, device, world, policy, reward_model), capacity)
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # torchrun: the processes that share this host's memory
     host = lambda **flag: ranks * sum(host_parts(dataclasses.replace(cfg, **flag), device, world,  # noqa: E731
                                                  policy, reward_model).values())
-    if cfg.offload:  # what --offload moved, in (pinned) host memory, beside the process's own
-        parts, ram = host_parts(cfg, device, world, policy, reward_model), device_memory(torch.device("cpu"))
-        print(f"memory on the host (--offload){f', per rank ({ranks} on this host)' if ranks > 1 else ''}, GiB: "
-              + ", ".join(f"{k} {v / gib:.2f}" for k, v in parts.items() if v) + f" of {ram / gib:.0f}")
+    if cfg.offload:  # what --offload moves into pinned host memory, beside the process's own
+        show(f"the host (--offload){f', per rank ({ranks} on this host)' if ranks > 1 else ''}",
+             host_parts(cfg, device, world, policy, reward_model), ram)
         if host() > ram:
             lora = host(lora_rank=16)
             fits = [f"--lora-rank 16 (~{lora / gib:.0f} GiB)"] if not cfg.lora_rank and lora < ram else []
-            fits += ["fewer ranks a host", "a smaller model"]
+            fits += ["fewer ranks a host"] * (ranks > 1) + ["a smaller model"]
             raise SystemExit(f"--offload: this run needs ~{host() / gib:.0f} GiB of host memory, more than its "
                              f"{ram / gib:.0f} GiB: try {' or '.join(fits)}")
     if total > capacity:  # what the run would need with another flag (the same parts)
@@ -1227,7 +1233,7 @@ def plan_memory(cfg: Config, device, world: int, policy, reward_model):
         lora, offload = needs(lora_rank=16), needs(offload=True)
         fits = [f"--lora-rank 16 (~{lora / gib:.0f} GiB)"] if not cfg.lora_rank and lora < capacity else []
         fits += [f"--offload (~{offload / gib:.0f} GiB)"] if device.type == "cuda" and offload < capacity and \
-            host(offload=True) <= device_memory(torch.device("cpu")) else []  # (if the host holds what it moves)
+            host(offload=True) <= ram else []  # (if the host holds what it moves)
         gpus = next((n for n in range(max(2, world + 1), 257) if needs(n, fsdp=True) <= capacity), None)
         if gpus:  # FSDP2 over the fewest GPUs that each hold what the memory line counts
             fits.append(f"sharding over {gpus} GPUs (torchrun --nproc_per_node {gpus} ... --fsdp)")
@@ -1250,7 +1256,7 @@ def memory_parts(cfg: Config, device, world: int, policy, reward_model) -> dict:
     wrapped = cfg.fsdp and (world > 1 or torch.distributed.is_initialized())  # (torchrun: FSDP2 wraps at world 1 too)
     reward, host = frozen * in_use(reward_model), cfg.offload and wrapped  # (host: the trained models' CPUOffload)
     if cfg.lora_rank:  # fp32 adapters (+ gradients, Adam: 16 bytes) of each adapted layer; one shared base
-        n_lora = lora_parameters(cfg, policy)
+        n_lora = cfg.lora_rank * sum(m.in_features + m.out_features for m in lora_layers(cfg, policy))
         head = count([policy.get_output_embeddings()])  # fp32 (lora_models; tied: the embedding with it)
         trees = {"base": base * n + (4 - base) * head}
         if wrapped:  # FSDP2 gives each tree shards of its own (the critic's: the backbone, not the head)
@@ -1274,33 +1280,48 @@ def memory_parts(cfg: Config, device, world: int, policy, reward_model) -> dict:
 
 
 def host_parts(cfg: Config, device, world: int, policy, reward_model) -> dict:  # {part: bytes on the host, a rank}
-    """What --offload moved to the host: the trained models' Adam moments (FSDP2's CPUOffloadPolicy: their fp32
-    shards, gradients and Adam), the frozen models' decoder layers (sharded: their shards), as memory_parts counts."""
+    """What --offload moves to the host: the trained models' Adam moments and the frozen models' decoder layers, in
+    pinned slabs (pinned_copies); under FSDP2's CPUOffloadPolicy their shards instead, each tensor's pinned alone (a
+    power of two), of the trained models the fp32 weights and gradients (Adam's moments are not pinned there)."""
     if not cfg.offload:
         return {}
-    count = lambda modules: sum(p.numel() for m in modules if m is not None for p in m.parameters())  # noqa: E731
     shards, critic = world if cfg.fsdp else 1, ADVANTAGES[cfg.advantage].critic
     wrapped = cfg.fsdp and (world > 1 or torch.distributed.is_initialized())
     sharded = wrapped and shards_frozen(cfg, device)  # (the frozen models too)
-    frozen = torch.finfo(getattr(torch, cfg.dtype)).bits // 8
-
-    def layers(model):  # a frozen model's pinned decoder layers, or its shards (FSDP2's CPUOffloadPolicy)
-        return 0 if model is None else frozen * (count([model]) / shards if sharded else count(decoder_layers(model)))
-    n, n_backbone = count([policy]), count([backbone_of(policy)]) * critic
-    if cfg.lora_rank:  # the adapters train; under FSDP2 each base tree's shards are on the host too
-        trained, base = lora_parameters(cfg, policy) * (1 + critic), torch.finfo(trained_dtype(cfg)).bits // 8
-        trees = {"base trees": base * (n * (1 + sharded) + n_backbone) / shards} if wrapped else {}
-        reference = 0  # (the base without its adapters)
+    frozen, base = (torch.finfo(dtype).bits // 8 for dtype in (getattr(torch, cfg.dtype), trained_dtype(cfg)))
+    power_of_two = lambda size: 1 << (math.ceil(size) - 1).bit_length()  # noqa: E731
+    numels = lambda model: [p.numel() for p in model.parameters()]  # noqa: E731
+    head = [policy.config.hidden_size]  # (the critic's value head)
+    if cfg.lora_rank:  # the adapters train: A (r, in) and B (out, r) of each adapted layer
+        adapters = [n for m in lora_layers(cfg, policy) for n in (cfg.lora_rank * m.in_features,
+                                                                   m.out_features * cfg.lora_rank)]
+        trained = [adapters, adapters + head][:1 + critic]
     else:
-        trained, trees, reference = n + n_backbone, {}, layers(policy)
-    moments = {"trained weights+grads+Adam": 16 * trained / shards} if wrapped else {"Adam moments": 8 * trained}
-    return {**trees, **moments, "reference": reference, "reward model": layers(reward_model)}
+        trained = [numels(policy), numels(backbone_of(policy)) + head][:1 + critic]
+    if not wrapped:  # exp_avg and exp_avg_sq of each parameter, an optimizer's in its slabs
+        parts = {"Adam moments": sum(pinned_slabs([4 * n for n in model for _ in "mv"])[0] for model in trained)}
+    else:  # FSDP2: weights and gradients pinned, a shard each
+        parts = {"trained weights+grads+Adam": sum(2 * power_of_two(4 * n / shards) + 8 * n / shards
+                                                   for model in trained for n in model)}
+        if cfg.lora_rank:  # each tree's shards of the base (the log-prob head in fp32: lora_models)
+            fp32 = policy.get_output_embeddings().weight
+            tree = [(4 if p is fp32 else base) * p.numel() for p in policy.parameters()]
+            trees = tree * (1 + sharded) + [base * n for n in numels(backbone_of(policy))] * critic
+            parts = {"base trees": sum(power_of_two(b / shards) for b in trees), **parts}
+
+    def layers(model):  # a frozen model's decoder layers, in its slabs; or its shards, a tensor's pinned alone
+        if model is None:
+            return 0
+        if sharded:
+            return sum(power_of_two(frozen * n / shards) for n in numels(model))
+        return pinned_slabs([frozen * p.numel() for layer in decoder_layers(model) for p in layer.parameters()])[0]
+    return {**parts, "reference": 0 if cfg.lora_rank else layers(policy), "reward model": layers(reward_model)}
 
 
-def lora_parameters(cfg: Config, policy) -> int:  # --lora-rank: the parameters of the adapters of one model tree
+def lora_layers(cfg: Config, policy) -> list:  # --lora-rank: the linear layers of one model tree that get adapters
     names = None if cfg.lora_targets == "all-linear" else lora_targets(cfg)
-    return cfg.lora_rank * sum(m.in_features + m.out_features for name, m in backbone_of(policy).named_modules()
-                               if isinstance(m, nn.Linear) and (names is None or lora_matches(name, names)))
+    return [m for name, m in backbone_of(policy).named_modules() if isinstance(m, nn.Linear) and
+            (names is None or lora_matches(name, names))]
 
 
 PAD_TOKEN = "<|ppo_tokens_pad|>"
@@ -1457,8 +1478,9 @@ def offload_layers(model, cfg: Config, device):
     one layer (and the embeddings, the head). The caching allocator frees in stream order: no sync is needed."""
     if not cfg.offload or (torch.distributed.is_initialized() and shards_frozen(cfg, device)):  # (start_training's)
         return model
+    copies = iter(pinned_copies([p.data for layer in decoder_layers(model) for p in layer.parameters()]))
     for layer in decoder_layers(model):
-        layer.host_weights = [p.data.cpu().pin_memory() for p in layer.parameters()]  # (a copy keeps its own)
+        layer.host_weights = [next(copies) for _ in layer.parameters()]
         layer_to_host(layer)
         layer.register_forward_pre_hook(lambda layer, args: layer_to(layer, device))
         layer.register_forward_hook(lambda layer, args, output: layer_to_host(layer))
@@ -1482,17 +1504,41 @@ def offload_moments(optimizer):
     pinned = {}  # (parameter, moment) -> its pinned host buffer, reused at every step
 
     def move(to_host: bool):
-        for p, state in optimizer.state.items():
-            for k, v in [(k, v) for k, v in state.items() if torch.is_tensor(v) and v.shape == p.shape]:  # (not step)
-                if not to_host:
-                    state[k] = v.to(p.device, non_blocking=True)
-                else:  # (its last copy to the device, before the step, came first on this stream)
-                    if (p, k) not in pinned:
-                        pinned[p, k] = torch.empty_like(v, device="cpu", pin_memory=True)
-                    state[k] = pinned[p, k].copy_(v, non_blocking=True)  # (checkpoint_state syncs before reading)
+        moments = [(p, k) for p, state in optimizer.state.items() for k, v in state.items()
+                   if torch.is_tensor(v) and v.shape == p.shape]  # (exp_avg, exp_avg_sq; not step)
+        new = [(p, k) for p, k in moments if to_host and (p, k) not in pinned]  # (the first step's: all at once)
+        pinned.update(zip(new, pinned_copies([optimizer.state[p][k] for p, k in new])))
+        for p, k in moments:
+            state = optimizer.state[p]
+            if not to_host:
+                state[k] = state[k].to(p.device, non_blocking=True)
+            else:  # (its last copy to the device, before the step, came first on this stream)
+                state[k] = pinned[p, k].copy_(state[k], non_blocking=True)  # (checkpoint_state syncs before reading)
     optimizer.register_step_pre_hook(lambda *_: move(False))
     optimizer.register_step_post_hook(lambda *_: move(True))
     optimizer.register_load_state_dict_post_hook(lambda _: move(True))  # (a resume: loading casts them to the GPU)
+
+
+def pinned_copies(tensors) -> list:  # pinned host copies of tensors, views into the slabs pinned_slabs lays out
+    _, slab, places = pinned_slabs([t.numel() * t.element_size() for t in tensors])
+    slabs = [torch.empty(slab, dtype=torch.uint8, pin_memory=True) for _ in range(places[-1][0] + 1 if places else 0)]
+    return [slabs[i][at:at + t.numel() * t.element_size()].view(t.dtype).view(t.shape).copy_(t)
+            for t, (i, at) in zip(tensors, places)]
+
+
+def pinned_slabs(sizes: list) -> tuple:
+    """-> (bytes in all, slab bytes, (slab, offset) of each size): torch's pinned allocator rounds each allocation up
+    to a power of two (a 136 MB weight takes 256 MiB: 1.9x over a 7B's moments), so --offload cuts its buffers, in
+    order, from slabs of one power-of-two size, over a sixteenth of the total (a 7B's moments: 1.13x, layers 1.07x)."""
+    sizes = [-(-size // 512) * 512 for size in sizes]  # (each view 512-byte aligned, for any dtype)
+    slab = 1 << (max([*sizes, sum(sizes) // 16, 1]) - 1).bit_length()
+    places, n, used = [], -1, slab  # (the first size opens slab 0)
+    for size in sizes:
+        if used + size > slab:
+            n, used = n + 1, 0
+        places.append((n, used))
+        used += size
+    return slab * (n + 1), slab, places
 
 
 def decoder_layers(model):  # the transformer blocks: the longest ModuleList

@@ -1272,23 +1272,33 @@ def test_memory_line_counts_each_part_and_a_run_that_cannot_fit_stops_before_loa
     monkeypatch.setattr(pt, "device_memory", lambda device: sum(parts.values()) + 1)  # holds it offloaded only
     with pytest.raises(SystemExit, match=r"try --lora-rank 16 \(~0 GiB\) or --offload \(~0 GiB\) or sharding"):
         pt.plan_memory(pt.parse_config(argv), gpu, 1, model, rm)
-    # the host's line (--offload): Adam's moments and the frozen models' layers, pinned; FSDP2: each rank's shards
-    rm_layers = sum(p.numel() for p in rm.model.layers.parameters())
-    host = {"Adam moments": 8 * (n + n_backbone), "reference": 4 * layers, "reward model": 4 * rm_layers}
-    assert pt.host_parts(offload, gpu, 1, model, rm) == host and pt.host_parts(stale, gpu, 1, model, rm) == {}
+    # the host's line (--offload): Adam's moments and the frozen models' layers in pinned slabs, a little over their
+    # bytes (test_offload_on_a_cpu_... checks it against what is pinned); FSDP2: each rank's shards, each pinned one
+    # rounded up to a power of two (so at most twice), Adam's moments there unpinned
+    rm_layers, critic = sum(p.numel() for p in rm.model.layers.parameters()), n_backbone + 128  # (+ the value head)
+    exact = {"Adam moments": 8 * (n + critic), "reference": 4 * layers, "reward model": 4 * rm_layers}
+    host = pt.host_parts(offload, gpu, 1, model, rm)
+    assert host.keys() == exact.keys() and all(exact[k] <= host[k] < 1.5 * exact[k] for k in exact)
+    assert pt.host_parts(stale, gpu, 1, model, rm) == {}
     fsdp_offload = dataclasses.replace(offload, fsdp=True)
-    assert pt.host_parts(fsdp_offload, gpu, 2, model, rm) == {  # (the LoRA base: the policy's, reference's, critic's)
-        "trained weights+grads+Adam": 8 * (n + n_backbone), "reference": 2 * n, "reward model": 2 * n_rm}
-    assert pt.host_parts(dataclasses.replace(fsdp_offload, lora_rank=4), gpu, 2, model, rm) == {
-        "base trees": 2 * (2 * n + n_backbone), "trained weights+grads+Adam": 8 * 2 * 4 * n_lora, "reference": 0,
-        "reward model": 2 * n_rm}
+    halves = {"trained weights+grads+Adam": (16 * (n + critic) / 2, 8 * (n + critic) / 2),  # (pinned, unpinned)
+              "reference": (4 * n / 2, 0), "reward model": (4 * n_rm / 2, 0)}
+    for lora, trees in (({}, {}), ({"lora_rank": 4}, {"base trees": (4 * (2 * n + n_backbone) / 2, 0)})):  # (each
+        shards = pt.host_parts(dataclasses.replace(fsdp_offload, **lora), gpu, 2, model, rm)  # tree's: the policy's,
+        expected = {**trees, **halves}  # the reference's, the critic's)
+        if lora:
+            expected.update({"trained weights+grads+Adam": (16 * 4 * 2 * n_lora / 2 + 128 * 8, 0), "reference": (0, 0)})
+        assert shards.keys() == expected.keys()
+        assert all(low <= shards[k] <= 2 * low - unpinned for k, (low, unpinned) in expected.items()), (lora, shards)
     lora_host = sum(pt.host_parts(dataclasses.replace(offload, lora_rank=16), gpu, 1, model, rm).values())
     ram = (lora_host + sum(host.values())) // 2  # a host that holds --offload with LoRA, not without
     monkeypatch.setattr(pt, "device_memory", lambda device: ram if device.type == "cpu" else 2**40)
     with pytest.raises(SystemExit, match=r"^--offload: this run needs ~0 GiB of host memory, more than its 0 GiB: try "
-                                         r"--lora-rank 16 \(~0 GiB\) or fewer ranks a host or a smaller model$"):
+                                         r"--lora-rank 16 \(~0 GiB\) or a smaller model$"):
         pt.plan_memory(offload, gpu, 1, model, rm)
-    assert "memory on the host (--offload), GiB: Adam moments 0.00, reference 0.00" in capsys.readouterr().out
+    shown = ", ".join(f"{k} {v / 2**20:.2f}" for k, v in host.items())
+    assert f"memory on the host (--offload), MiB: {shown} = {sum(host.values()) / 2**20:.2f} of {ram / 2**20:.0f}\n" \
+        in capsys.readouterr().out
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two ranks on the host: twice the LoRA run's part still fits
     monkeypatch.setattr(pt, "device_memory", lambda device: 2 * lora_host + 1 if device.type == "cpu" else 2**40)
     pt.plan_memory(dataclasses.replace(offload, lora_rank=16), gpu, 1, model, rm)
@@ -1321,21 +1331,35 @@ def test_memory_line_counts_each_part_and_a_run_that_cannot_fit_stops_before_loa
 def test_offload_on_a_cpu_moves_what_it_says_and_ends_with_a_resident_runs_weights_resumed_too(tmp_path, tokenizer,
                                                                                                  monkeypatch, lora):
     """--offload's logic, where a CPU can run it: the flag is refused on a CPU (no pinned memory), so here pinning is a
-    copy and the flag is set after setup's check. Outside each forward the frozen models' decoder layers hold their
-    host copies; Adam's moments live in buffers of their own between steps (a checkpoint reads them, a resume loads
-    into them); the run, its sampler thread scoring the reference, ends with a resident run's weights to the bit, and
-    so does its resume (which once lost the moments it loaded: set_state_dict's initialising step wrote over them).
-    The GPU's twin (not yet run): test_cuda_offload_ends_with_the_weights_of_a_resident_run."""
-    from transformers import LlamaConfig, LlamaForSequenceClassification
-    rm = LlamaForSequenceClassification(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2,
-                                                    num_attention_heads=2, intermediate_size=64, num_labels=1,
-                                                    pad_token_id=tokenizer.pad_token_id))
-    rm.save_pretrained(tmp_path / "rm")
+    plain allocation, a "device copy" a clone, and the flag is set after setup's check. Outside each forward the frozen
+    models' decoder layers hold their host copies; after each step Adam's moments are back in their pinned slabs (a
+    checkpoint reads them, a resume loads into them), whose bytes are the host line's; the run, its sampler thread
+    scoring the reference, ends with a resident run's weights to the bit, and so does its resume (which once lost the
+    moments it loaded: set_state_dict's initialising step wrote over them). Its GPU twin, not yet run:
+    test_cuda_offload_ends_with_the_weights_of_a_resident_run."""
+    from transformers import LlamaForSequenceClassification
+    config = pt.build_demo_policy(tokenizer, 1, 32, 2).config  # the policy's shape: the critic (from it) is as counted
+    config.num_labels = 1
+    LlamaForSequenceClassification(config).save_pretrained(tmp_path / "rm")
     tokenizer.save_pretrained(tmp_path / "rm")
-    pinned, empty_like = [], torch.empty_like
-    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: pinned.append(self.clone()) or pinned[-1])
-    monkeypatch.setattr(torch, "empty_like", lambda *a, pin_memory=False, **k: (
-        pinned.append(empty_like(*a, **k)) or pinned[-1]) if pin_memory else empty_like(*a, **k))
+    pinned, optimizers, empty, offload_moments = [], [], torch.empty, pt.offload_moments
+    monkeypatch.setattr(torch, "empty", lambda *size, pin_memory=False, **kw: (
+        pinned.append(empty(*size, **kw)) or pinned[-1]) if pin_memory else empty(*size, **kw))
+
+    def layer_copied_in(layer, device):  # a layer's device copy: not its host tensor
+        for p, host in zip(layer.parameters(), layer.host_weights):
+            p.data = host.clone()
+
+    def moments_copied_in(optimizer):  # after offload_moments' pre-step hook: the step updates copies
+        offload_moments(optimizer)
+        optimizers.append(optimizer)
+
+        def copy_in(*_):
+            for state in optimizer.state.values():
+                state.update({k: v.clone() for k, v in state.items() if v.dim()})
+        optimizer.register_step_pre_hook(copy_in)
+    monkeypatch.setattr(pt, "layer_to", layer_copied_in)
+    monkeypatch.setattr(pt, "offload_moments", moments_copied_in)
 
     def train(name, offload, **flags):
         cfg = pt.make_config(demo_hidden=32, demo_layers=2, demo_warmup_steps=0, steps=3, batch_size=16, minibatches=2,
@@ -1348,22 +1372,26 @@ def test_offload_on_a_cpu_moves_what_it_says_and_ends_with_a_resident_runs_weigh
                 pt.offload_layers(model, cfg, run.device)
         os.makedirs(tmp_path / name, exist_ok=True)
         pt.train(cfg, run, str(tmp_path / name), threaded=True)
-        return run
+        return cfg, run
 
-    resident, offloaded = train("resident", False), train("offloaded", True)
+    (_, resident), (cfg, offloaded) = train("resident", False), train("offloaded", True)
     frozen = (offloaded.reward_model,) if lora else (offloaded.reference.policy, offloaded.reward_model)
     layers = [layer for m in frozen for layer in pt.decoder_layers(m)]
     assert all(p.data_ptr() == host.data_ptr() for layer in layers for p, host in zip(layer.parameters(),
                                                                                        layer.host_weights))
-    moments = 2 * sum(p.requires_grad for m in (offloaded.policy, offloaded.critic) for p in m.parameters())
-    assert len(pinned) == sum(len(layer.host_weights) for layer in layers) + moments  # (exp_avg, exp_avg_sq)
+    slabs = {slab.data_ptr(): slab.nbytes for slab in pinned}
+    assert all(any(0 <= v.data_ptr() - at < size for at, size in slabs.items())  # (each moment a view of a slab)
+               for optimizer in optimizers for state in optimizer.state.values() for v in state.values() if v.dim())
+    parts = pt.host_parts(cfg, offloaded.device, 1, offloaded.reference.policy, offloaded.reward_model)
+    assert sum(slabs.values()) == sum(parts.values()) and len(optimizers) == 2  # (the policy's and the critic's)
     shutil.copytree(tmp_path / "offloaded", tmp_path / "resumed")
-    resumed = train("resumed", True, resume=pt.checkpoints(tmp_path / "resumed")[0])
+    _, resumed = train("resumed", True, resume=pt.checkpoints(tmp_path / "resumed")[0])
     for run in (offloaded, resumed):
         for model in ("policy", "critic"):
-            for (name, a), b in zip(getattr(resident, model).state_dict().items(),
-                                    getattr(run, model).state_dict().values()):
-                assert torch.equal(a, b), ("resumed" if run is resumed else "offloaded", model, name)
+            ours, theirs = getattr(resident, model).state_dict(), getattr(run, model).state_dict()
+            assert ours.keys() == theirs.keys()
+            for name, weight in ours.items():
+                assert torch.equal(weight, theirs[name]), ("resumed" if run is resumed else "offloaded", model, name)
 
 
 @pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")  # (peft's from_pretrained)
@@ -2735,15 +2763,18 @@ def test_torchrun_two_ranks_ddp_and_fsdp2_train_resume_and_stay_identical(tmp_pa
     assert "step-00000002 after iteration 2/3" in resumed and digests(resumed) == fsdp  # the same final weights
     (tmp_path / "offload_on_a_cpu.py").write_text(  # --fsdp --offload's logic (CUDA only): FSDP2's CPUOffloadPolicy
         f"import runpy, sys\nsys.path.insert(0, {HERE!r})\nimport ppo_tokens, torch.distributed.fsdp as fsdp\n"
-        "made, offload_policy, setup = [], fsdp.CPUOffloadPolicy, ppo_tokens.setup\n"  # (a CPU has no pinned memory)
-        "fsdp.CPUOffloadPolicy = lambda: made.append(1) or offload_policy(pin_memory=False)\n"
+        "made, policy, setup, shard = [], fsdp.CPUOffloadPolicy, ppo_tokens.setup, ppo_tokens.fsdp_shard\n"
+        "fsdp.CPUOffloadPolicy = lambda: policy(pin_memory=False)  # (a CPU has no pinned memory)\n"
         "def past_the_refusal(cfg, ctx):  # setup refuses --offload on a CPU: the flag comes back after it\n"
         "    cfg.offload = False\n    run = setup(cfg, ctx)\n    cfg.offload = True\n    return run\n"
-        "ppo_tokens.setup = past_the_refusal\nrunpy.run_path(sys.argv.pop(1), run_name='__main__')\n"
-        "print('CPUOffloadPolicy:', len(made), 'models', flush=True)\n")
+        "def recorded(model, group=None, **options):\n"
+        "    made.append('offload_policy' in options)\n    return shard(model, group, **options)\n"
+        "ppo_tokens.setup, ppo_tokens.fsdp_shard = past_the_refusal, recorded\n"
+        "runpy.run_path(sys.argv.pop(1), run_name='__main__')\n"
+        "print('offloaded FSDP2 models:', sum(made), 'of', len(made), flush=True)\n")
     out = torchrun([tmp_path / "offload_on_a_cpu.py", *args, "--fsdp", "--offload", "--output-dir",
                     str(tmp_path / "offload")], tmp_path).stdout  # (its GPU twin: test_cuda_torchrun_nccl)
-    assert digests(out) == fsdp and "CPUOffloadPolicy: 3 models" in out  # (the policy, critic and reference)
+    assert digests(out) == fsdp and "offloaded FSDP2 models: 3 of 3" in out  # (the policy, critic and reference)
     (tmp_path / "rank_one_fails.py").write_text("import os\ndef score(prompts, completions):\n"
                                                "    if os.environ['RANK'] == '1':\n"
                                                "        raise RuntimeError('reward server unreachable from rank 1')\n"
@@ -3310,9 +3341,13 @@ def test_a_script_in_this_directory_loads_a_model_with_the_hubs_kernels_package(
             for argv, cwd, env in (([sys.executable, "-c", script], HERE, None),
                                    ([sys.executable, "-c", script], HERE, {**os.environ, "PYTHONPATH": str(copy)}),
                                    ([sys.executable, "load.py"], renamed, None))]  # (at once: each is an import)
-    for run in runs:
-        stderr = run.communicate(timeout=300)[1]
-        assert run.returncode == 0, stderr[-3000:]
+    try:
+        for run in runs:
+            stderr = run.communicate(timeout=300)[1]
+            assert run.returncode == 0, stderr[-3000:]
+    finally:  # (none left running after a failure)
+        for run in runs:
+            run.kill()
 
 # ---------------------------------------------------------------------------------------------------------------
 # CUDA: the GPU-only paths, run when CUDA exists (skipped otherwise). PPO_TOKENS_STRICT=1 (set above, inherited by
