@@ -2549,6 +2549,14 @@ def digest_script(cwd):
     return str(cwd / "train_and_digest.py")
 
 
+def patched_script(cwd, name: str, patch: str, after: str = "") -> str:
+    """A script that runs `patch` after importing ppo_tokens, then the script named by its first argument (as
+    __main__), then `after`: a CUDA-only path's logic, run on gloo."""
+    (cwd / name).write_text(f"import runpy, sys\nsys.path.insert(0, {HERE!r})\nimport ppo_tokens\n{patch}"
+                            f"runpy.run_path(sys.argv.pop(1), run_name='__main__')\n{after}")
+    return str(cwd / name)
+
+
 def digests(out):  # the per-rank checksums of the actor weights digest_script prints at the end
     (line,) = [l for l in out.splitlines() if l.startswith("actor weights (sha256")]
     return line.split(": ")[1].split()
@@ -2727,6 +2735,12 @@ def test_torchrun_critic_free_ddp_and_fsdp2_train_and_resume(tmp_path):
             resumed = torchrun([base[0], "--resume", str(pt.checkpoints(out_dir)[0])], tmp_path).stdout
             assert "step-00000002 after iteration 2/3" in resumed and digests(resumed) == full, name
             assert "reference sharded over 2 ranks (FSDP2)" in out  # (the base's tree, adapters off)
+            # CUDA's --max-staleness > 0 keeps the frozen models whole (shards_frozen): the reference's tree still
+            # holds the base's own tensors while FSDP2 shards the policy's; its log-probs (the KL) are the same
+            whole = patched_script(tmp_path, "frozen_whole.py", "ppo_tokens.shards_frozen = lambda cfg, device: False\n")
+            out = torchrun([whole, *base, "--advantage", "rloo", "--lora-rank", "4", "--micro-batch-size", "0", *more,
+                            "--output-dir", str(tmp_path / "whole")], tmp_path).stdout
+            assert "reference and reward model replicated" in out and digests(out) == full
             ddp, fsdp = (AutoModelForCausalLM.from_pretrained(tmp_path / d / "policy") for d in ("ddp", "fsdp"))
             adapted = PeftModel.from_pretrained(pt.build_demo_policy(pt.build_demo_tokenizer(), seed=1),
                                                 out_dir / "policy_adapter").merge_and_unload()
@@ -2761,18 +2775,17 @@ def test_torchrun_two_ranks_ddp_and_fsdp2_train_resume_and_stay_identical(tmp_pa
     assert any(not torch.equal(a, b) for a, b in zip(ddp_policy.state_dict().values(), earlier.state_dict().values()))
     resumed = torchrun([args[0], "--resume", str(pt.checkpoints(tmp_path / "fsdp")[0])], tmp_path).stdout
     assert "step-00000002 after iteration 2/3" in resumed and digests(resumed) == fsdp  # the same final weights
-    (tmp_path / "offload_on_a_cpu.py").write_text(  # --fsdp --offload's logic (CUDA only): FSDP2's CPUOffloadPolicy
-        f"import runpy, sys\nsys.path.insert(0, {HERE!r})\nimport ppo_tokens, torch.distributed.fsdp as fsdp\n"
+    offload = patched_script(tmp_path, "offload_on_a_cpu.py", (  # --fsdp --offload's logic (CUDA only)
+        "import torch.distributed.fsdp as fsdp\n"
         "made, policy, setup, shard = [], fsdp.CPUOffloadPolicy, ppo_tokens.setup, ppo_tokens.fsdp_shard\n"
         "fsdp.CPUOffloadPolicy = lambda: policy(pin_memory=False)  # (a CPU has no pinned memory)\n"
         "def past_the_refusal(cfg, ctx):  # setup refuses --offload on a CPU: the flag comes back after it\n"
         "    cfg.offload = False\n    run = setup(cfg, ctx)\n    cfg.offload = True\n    return run\n"
         "def recorded(model, group=None, **options):\n"
         "    made.append('offload_policy' in options)\n    return shard(model, group, **options)\n"
-        "ppo_tokens.setup, ppo_tokens.fsdp_shard = past_the_refusal, recorded\n"
-        "runpy.run_path(sys.argv.pop(1), run_name='__main__')\n"
-        "print('offloaded FSDP2 models:', sum(made), 'of', len(made), flush=True)\n")
-    out = torchrun([tmp_path / "offload_on_a_cpu.py", *args, "--fsdp", "--offload", "--output-dir",
+        "ppo_tokens.setup, ppo_tokens.fsdp_shard = past_the_refusal, recorded\n"),
+        after="print('offloaded FSDP2 models:', sum(made), 'of', len(made), flush=True)\n")
+    out = torchrun([offload, *args, "--fsdp", "--offload", "--output-dir",
                     str(tmp_path / "offload")], tmp_path).stdout  # (its GPU twin: test_cuda_torchrun_nccl)
     assert digests(out) == fsdp and "offloaded FSDP2 models: 3 of 3" in out  # (the policy, critic and reference)
     (tmp_path / "rank_one_fails.py").write_text("import os\ndef score(prompts, completions):\n"
