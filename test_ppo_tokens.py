@@ -2737,7 +2737,7 @@ def test_torchrun_critic_free_ddp_and_fsdp2_train_and_resume(tmp_path):
             assert "reference sharded over 2 ranks (FSDP2)" in out  # (the base's tree, adapters off)
             # CUDA's --max-staleness > 0 keeps the frozen models whole (shards_frozen): the reference's tree still
             # holds the base's own tensors while FSDP2 shards the policy's; its log-probs (the KL) are the same
-            whole = patched_script(tmp_path, "frozen_whole.py", "ppo_tokens.shards_frozen = lambda cfg, device: False\n")
+            whole = patched_script(tmp_path, "whole.py", "ppo_tokens.shards_frozen = lambda cfg, device: False\n")
             out = torchrun([whole, *base, "--advantage", "rloo", "--lora-rank", "4", "--micro-batch-size", "0", *more,
                             "--output-dir", str(tmp_path / "whole")], tmp_path).stdout
             assert "reference and reward model replicated" in out and digests(out) == full
