@@ -253,7 +253,6 @@ class Rollout:
     # scoring, the trainer (score_trainer)
     # (B, T) under the trainer's policy before the update: PPO's "old" policy, decoupled PPO's "proximal" one
     old_logprobs: torch.Tensor = None
-    entropy: torch.Tensor = None  # (B, T) the entropy of that policy's distribution at each token
     values: torch.Tensor = None  # (B, T) critic's value of the state before each token
     rewards: torch.Tensor = None  # (B, T) per-token reward: -kl_coef * kl_t, plus the score on the last real token
     advantages: torch.Tensor = None  # (B, T) from the --advantage estimator (ADVANTAGES)
@@ -786,7 +785,6 @@ def score_trainer(batch: Rollout, policy, critic, cfg: Config, row_order=None, v
     fewer); the critic's does not, so that the two models' activations are never held together (the update reruns
     it after the policy's backward). version: the trainer's (None: all fresh). -> per-token KL."""
     batch.old_logprobs = batch.behav_logprobs.clone()  # (rows skipped keep the sampler's values; nothing reads them)
-    batch.entropy = torch.zeros_like(batch.behav_logprobs)
     batch.values = torch.zeros_like(batch.behav_logprobs, dtype=torch.float32)  # the critic's output is fp32
     row_order = torch.arange(len(batch.response)) if row_order is None else row_order
     micro = micro_batch_rows(batch, update_minibatches(batch, cfg, [row_order]), cfg, ranks_agree=True)
@@ -799,7 +797,7 @@ def score_trainer(batch: Rollout, policy, critic, cfg: Config, row_order=None, v
             values = None if critic is None else critic_values(critic, mb, inputs)
         if keep:
             batch.first_forward = (logprobs, entropy)
-        batch.old_logprobs[rows], batch.entropy[rows] = logprobs.detach(), entropy.detach()
+        batch.old_logprobs[rows] = logprobs.detach()
         if values is not None:
             batch.values[rows] = values.detach()
     kl = kl_estimate(batch.old_logprobs, batch.ref_logprobs, cfg.kl_estimator)
