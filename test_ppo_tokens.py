@@ -1663,7 +1663,7 @@ def bench_memory(directory, runs=tuple(MEMORY_RUNS), device="cuda", shapes=QWEN2
             except subprocess.TimeoutExpired as e:  # (its output: bytes, text=True or not)
                 text = "".join((x or b"").decode(errors="replace") for x in (e.stdout, e.stderr))
                 text, code = text + f"\ncut at the budget, after {deadline - start:.0f} s", "budget"
-            line = next((x for x in text.splitlines() if x.startswith("memory on")), "")
+            line = " | ".join(x for x in text.splitlines() if x.startswith("memory on"))  # (--offload: the host's too)
             result = {"shape": shape, "flags": " ".join(more), "memory_line": line,
                       "wall_s": round(time.time() - start)}
             records = read_metrics(out_dir) if code == 0 else []
