@@ -1205,13 +1205,14 @@ def plan_memory(cfg: Config, device, world: int, policy, reward_model):
     its memory; where they exceed it, a stop, before the big models load, that says what would fit."""
     if policy is None:
         return
-    def show(where: str, parts: dict, capacity: int):
+    capacity, ram, gib = device_memory(device), device_memory(torch.device("cpu")), 2**30
+
+    def show(where: str, parts: dict, capacity: int):  # one line: each part, their total, against the capacity
         total = sum(parts.values())
         unit, size = ("GiB", gib) if total >= gib else ("MiB", 2**20)
         shown = ", ".join(f"{k} {v / size:.2f}" for k, v in parts.items() if v)
         print(f"memory on {where}, {unit}: {shown} = {total / size:.2f} of {capacity / size:.0f}")
         return total
-    capacity, ram, gib = device_memory(device), device_memory(torch.device("cpu")), 2**30
     total = show(f"{device} before activations", memory_parts(cfg, device, world, policy, reward_model), capacity)
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # torchrun: the processes that share this host's memory
     host = lambda **flag: ranks * sum(host_parts(dataclasses.replace(cfg, **flag), device, world,  # noqa: E731
