@@ -1081,10 +1081,10 @@ def setup(cfg: Config, ctx: Dist = Dist()) -> Run:
     rule = load_function(cfg.reward) if cfg.reward else task.reward
     reward_shape = meta_model(cfg.reward_model, causal=False)
     if cfg.model:  # before loading any weights: a run that cannot fit stops here
-        plan_memory(cfg, device, ctx.world, meta_model(cfg.model), reward_shape)
+        plan_memory(cfg, device, ctx.world, meta_model(cfg.model), reward_shape, critic_copies_reward(cfg))
     tokenizer, policy, stop_ids, vocab = load_policy(cfg, device, task)
     if not cfg.model:  # (the task's model, built)
-        plan_memory(cfg, device, ctx.world, policy, reward_shape)
+        plan_memory(cfg, device, ctx.world, policy, reward_shape, critic_copies_reward(cfg, tokenizer))
     if not prompt_texts:
         raise SystemExit("no prompts: pass --prompts FILE.jsonl, or a --task that has them")
     prompt_ids = format_prompts(tokenizer, prompt_texts, cfg.chat_template, cfg.max_prompt_length)
@@ -1200,9 +1200,21 @@ def device_memory(device) -> int:  # bytes: the GPU's, or the host's RAM (within
         return ram
 
 
-def plan_memory(cfg: Config, device, world: int, policy, reward_model):
+def critic_copies_reward(cfg: Config, tokenizer=None) -> bool:  # build_critic's choice, made from the tokenizers
+    if not (cfg.reward_model and ADVANTAGES[cfg.advantage].critic and not cfg.lora_rank):
+        return False
+    from transformers import AutoTokenizer
+    try:
+        return same_vocabulary(tokenizer or AutoTokenizer.from_pretrained(cfg.model),
+                               AutoTokenizer.from_pretrained(cfg.reward_model))
+    except (OSError, ValueError):  # (load_policy and load_reward_model say why)
+        return False
+
+
+def plan_memory(cfg: Config, device, world: int, policy, reward_model, copies_reward=False):
     """One line: the bytes each part of the run holds on this device before activations (README: Memory), against
-    its memory; where they exceed it, a stop, before the big models load, that says what would fit."""
+    its memory; where they exceed it, a stop, before the big models load, that says what would fit. copies_reward:
+    the critic is a copy of the reward model (build_critic), not of the policy's backbone."""
     if policy is None:
         return
     capacity, ram, gib = device_memory(device), device_memory(torch.device("cpu")), 2**30
@@ -1213,13 +1225,14 @@ def plan_memory(cfg: Config, device, world: int, policy, reward_model):
         shown = ", ".join(f"{k} {v / size:.2f}" for k, v in parts.items() if v)
         print(f"memory on {where}, {unit}: {shown} = {total / size:.2f} of {capacity / size:.0f}")
         return total
-    total = show(f"{device} before activations", memory_parts(cfg, device, world, policy, reward_model), capacity)
+    models = (policy, reward_model, copies_reward)
+    total = show(f"{device} before activations", memory_parts(cfg, device, world, *models), capacity)
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # torchrun: the processes that share this host's memory
     host = lambda **flag: ranks * sum(host_parts(dataclasses.replace(cfg, **flag), device, world,  # noqa: E731
-                                                 policy, reward_model).values())
+                                                 *models).values())
     if cfg.offload:  # what --offload moves into pinned host memory, beside the process's own
         show(f"the host (--offload){f', per rank ({ranks} on this host)' if ranks > 1 else ''}",
-             host_parts(cfg, device, world, policy, reward_model), ram)
+             host_parts(cfg, device, world, *models), ram)
         if host() > ram:
             lora = host(lora_rank=16)
             fits = [f"--lora-rank 16 (~{lora / gib:.0f} GiB)"] if not cfg.lora_rank and lora < ram else []
@@ -1228,7 +1241,7 @@ def plan_memory(cfg: Config, device, world: int, policy, reward_model):
                              f"{ram / gib:.0f} GiB: try {' or '.join(fits)}")
     if total > capacity:  # what the run would need with another flag (the same parts)
         needs = lambda gpus=world, **flag: sum(memory_parts(dataclasses.replace(cfg, **flag), device,  # noqa: E731
-                                                            gpus, policy, reward_model).values())
+                                                            gpus, *models).values())
         lora, offload = needs(lora_rank=16), needs(offload=True)
         fits = [f"--lora-rank 16 (~{lora / gib:.0f} GiB)"] if not cfg.lora_rank and lora < capacity else []
         fits += [f"--offload (~{offload / gib:.0f} GiB)"] if device.type == "cuda" and offload < capacity and \
@@ -1240,7 +1253,7 @@ def plan_memory(cfg: Config, device, world: int, policy, reward_model):
                          f"{capacity / gib:.0f} GiB: try {' or '.join(fits + ['a smaller model'])}")
 
 
-def memory_parts(cfg: Config, device, world: int, policy, reward_model) -> dict:  # {part: bytes on this device}
+def memory_parts(cfg: Config, device, world: int, policy, reward_model, copies_reward=False) -> dict:  # {part: bytes}
     count = lambda modules: sum(p.numel() for m in modules if m is not None for p in m.parameters())  # noqa: E731
     n, shards, critic = count([policy]), world if cfg.fsdp else 1, ADVANTAGES[cfg.advantage].critic  # FSDP2: shards
     frozen = torch.finfo(getattr(torch, cfg.dtype)).bits // 8  # bytes a parameter of the frozen models
@@ -1267,7 +1280,8 @@ def memory_parts(cfg: Config, device, world: int, policy, reward_model) -> dict:
                      trees["reference"]}  # (a replicated reference tree: whole on the device)
         return {**trees, "policy adapters+grads+Adam": 16 * n_lora / shards,
                 "critic adapters+grads+Adam": 16 * n_lora * critic / shards, "reward model": reward, "sampler": sampler}
-    n_critic, adam = count([backbone_of(policy)]) * critic, 0 if cfg.offload else 8  # (--offload: in for its step)
+    n_critic = count([reward_model if copies_reward else backbone_of(policy)]) * critic  # (build_critic's copy)
+    adam = 0 if cfg.offload else 8  # (--offload: in for its step)
     trained = {"policy": 4 * n / shards, "policy grads+Adam": (4 + adam) * n / shards,  # fp32: 4 + 4 + 8 bytes
                "critic": 4 * n_critic / shards, "critic grads+Adam": (4 + adam) * n_critic / shards,
                "Adam at a step": (8 - adam) * max(n, n_critic) / shards}  # --offload: one model's moments at a time
@@ -1278,7 +1292,7 @@ def memory_parts(cfg: Config, device, world: int, policy, reward_model) -> dict:
             "publish's gather": publish}
 
 
-def host_parts(cfg: Config, device, world: int, policy, reward_model) -> dict:  # {part: bytes on the host, a rank}
+def host_parts(cfg: Config, device, world: int, policy, reward_model, copies_reward=False) -> dict:  # {part: bytes}
     """What --offload moves to the host: the trained models' Adam moments and the frozen models' decoder layers, in
     pinned slabs (pinned_copies); under FSDP2's CPUOffloadPolicy their shards instead, each tensor's pinned alone (a
     power of two), of the trained models the fp32 weights and gradients (Adam's moments are not pinned there)."""
@@ -1296,7 +1310,8 @@ def host_parts(cfg: Config, device, world: int, policy, reward_model) -> dict:  
                                                                    m.out_features * cfg.lora_rank)]
         trained = [adapters, adapters + head][:1 + critic]
     else:
-        trained = [numels(policy), numels(backbone_of(policy)) + head][:1 + critic]
+        critic_sizes = numels(reward_model) if copies_reward else numels(backbone_of(policy)) + head
+        trained = [numels(policy), critic_sizes][:1 + critic]
     if not wrapped:  # exp_avg and exp_avg_sq of each parameter, an optimizer's in its slabs
         parts = {"Adam moments": sum(pinned_slabs([4 * n for n in model for _ in "mv"])[0] for model in trained)}
     else:  # FSDP2: weights and gradients pinned, a shard each
@@ -1505,12 +1520,14 @@ def offload_moments(optimizer):
     def move(to_host: bool):
         moments = [(p, k) for p, state in optimizer.state.items() for k, v in state.items()
                    if torch.is_tensor(v) and v.shape == p.shape]  # (exp_avg, exp_avg_sq; not step)
-        new = [(p, k) for p, k in moments if to_host and (p, k) not in pinned]  # (the first step's: all at once)
-        pinned.update(zip(new, pinned_copies([optimizer.state[p][k] for p, k in new])))
+        new = dict.fromkeys(m for m in moments if to_host and m not in pinned)  # (the first step's: all at once)
+        pinned.update(zip(new, pinned_copies([optimizer.state[p][k] for p, k in new])))  # (copied, waited for)
         for p, k in moments:
             state = optimizer.state[p]
             if not to_host:
                 state[k] = state[k].to(p.device, non_blocking=True)
+            elif (p, k) in new:
+                state[k] = pinned[p, k]
             else:  # (its last copy to the device, before the step, came first on this stream)
                 state[k] = pinned[p, k].copy_(state[k], non_blocking=True)  # (checkpoint_state syncs before reading)
     optimizer.register_step_pre_hook(lambda *_: move(False))
@@ -1519,8 +1536,8 @@ def offload_moments(optimizer):
 
 
 def pinned_copies(tensors) -> list:  # pinned host copies of tensors, views into the slabs pinned_slabs lays out
-    _, slab, places = pinned_slabs([t.numel() * t.element_size() for t in tensors])
-    slabs = [torch.empty(slab, dtype=torch.uint8, pin_memory=True) for _ in range(places[-1][0] + 1 if places else 0)]
+    total, slab, places = pinned_slabs([t.numel() * t.element_size() for t in tensors])
+    slabs = [torch.empty(slab, dtype=torch.uint8, pin_memory=True) for _ in range(total // slab)]
     return [slabs[i][at:at + t.numel() * t.element_size()].view(t.dtype).view(t.shape).copy_(t)
             for t, (i, at) in zip(tensors, places)]
 
@@ -1531,13 +1548,13 @@ def pinned_slabs(sizes: list) -> tuple:
     order, from slabs of one power-of-two size, over a sixteenth of the total (a 7B's moments: 1.13x, layers 1.07x)."""
     sizes = [-(-size // 512) * 512 for size in sizes]  # (each view 512-byte aligned, for any dtype)
     slab = 1 << (max([*sizes, sum(sizes) // 16, 1]) - 1).bit_length()
-    places, n, used = [], -1, slab  # (the first size opens slab 0)
+    places, n, used = [], 0, 0
     for size in sizes:
         if used + size > slab:
             n, used = n + 1, 0
         places.append((n, used))
         used += size
-    return slab * (n + 1), slab, places
+    return slab * (n + 1) * bool(sizes), slab, places
 
 
 def decoder_layers(model):  # the transformer blocks: the longest ModuleList
@@ -2497,8 +2514,6 @@ def checkpoint_state(actor, critic, optimizers, schedules, ctx: Dist, sampler_rn
     the state dicts (sharded under FSDP2), and under this rank's own key its RNG states and loop (step, ...; DCP keeps
     one copy of a key that every rank saves, not necessarily rank 0's, and only rank 0 evaluates)."""
     from torch.distributed.checkpoint import state_dict as dcp_state
-    if torch.cuda.is_available():  # --offload: Adam's moments come to the host without a sync (offload_moments)
-        torch.cuda.synchronize()
     rngs = {"sampler_rng": sampler_rng, "torch_rng": torch.get_rng_state(), "python_rng": random.getstate(),
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
     state = {"schedules": [s.state_dict() for s in schedules], "shuffle_rng": shuffle_generator.get_state(),
@@ -2510,6 +2525,8 @@ def checkpoint_state(actor, critic, optimizers, schedules, ctx: Dist, sampler_rn
             state[f"{name}_fresh"] = fresh
             if fresh and not loading:  # (loading: the state is the placeholder; cleared, set_state_dict would make
                 optimizer.state.clear()  # another, by a step whose offload_moments overwrites what was loaded)
+    if torch.cuda.is_available():  # --offload: Adam's moments come to the host without a sync (offload_moments):
+        torch.cuda.synchronize()  # all there before DCP reads them, or writes into them
     return state
 
 

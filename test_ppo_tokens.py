@@ -1228,7 +1228,7 @@ def test_memory_line_counts_each_part_and_a_run_that_cannot_fit_stops_before_loa
     rm = LlamaForSequenceClassification(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=1,
                                                     num_attention_heads=2, intermediate_size=64, num_labels=1))
     rm.save_pretrained(tmp_path / "rm")
-    tokenizer.save_pretrained(tmp_path / "rm")
+    word_tokenizer(len(tokenizer)).save_pretrained(tmp_path / "rm")  # (not the policy's: the critic is not its copy)
     n_rm = sum(p.numel() for p in rm.parameters())
     (tmp_path / "p.jsonl").write_text('{"prompt": "1+1="}\n')
     argv = ["--model", str(tmp_path / "policy_in"), "--reward-model", str(tmp_path / "rm"), "--prompts",
@@ -1247,6 +1247,15 @@ def test_memory_line_counts_each_part_and_a_run_that_cannot_fit_stops_before_loa
         line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("memory on cpu"))
         shown = ", ".join(f"{k} {v / 2**20:.2f}" for k, v in parts.items())
         assert line.endswith(f"MiB: {shown} = {sum(parts.values()) / 2**20:.2f} of {capacity / 2**20:.0f}")
+    assert not pt.critic_copies_reward(pt.parse_config(argv))  # the critic copies the reward model where their
+    rm.save_pretrained(tmp_path / "rm_same")  # tokenizers agree (build_critic), and is counted so
+    tokenizer.save_pretrained(tmp_path / "rm_same")
+    same = [*argv, "--reward-model", str(tmp_path / "rm_same")]
+    assert pt.critic_copies_reward(pt.parse_config(same)) and not pt.critic_copies_reward(pt.parse_config(
+        [*same, "--lora-rank", "4"]))
+    copied = pt.memory_parts(pt.parse_config(same), torch.device("cpu"), 1, model, rm, copies_reward=True)
+    assert copied == {**full, "critic": 4 * n_rm, "critic grads+Adam": 12 * n_rm, "Adam at a step": 0,
+                      "publish's gather": 0}
     q = dataclasses.replace(pt.parse_config(argv), lora_rank=4, lora_targets="self_attn.q_proj")  # (peft's suffix rule)
     n_q = sum(layer.self_attn.q_proj.in_features + layer.self_attn.q_proj.out_features for layer in model.model.layers)
     assert pt.memory_parts(q, torch.device("cpu"), 1, model, rm)["policy adapters+grads+Adam"] == 16 * 4 * n_q > 0
@@ -1326,6 +1335,27 @@ def test_memory_line_counts_each_part_and_a_run_that_cannot_fit_stops_before_loa
         pt.setup(pt.parse_config(argv))
 
 
+def test_pinned_copies_are_views_of_few_power_of_two_slabs_each_tensor_once(monkeypatch):
+    """--offload's pinned memory: torch's pinned allocator rounds each allocation up to a power of two, so tensors
+    are cut, 512-byte aligned and without overlap, from slabs of one power-of-two size; any dtype, shape or none."""
+    slabs, empty = [], torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *size, pin_memory=False, **kw: (  # (a CPU has no pinned memory)
+        slabs.append(empty(*size, **kw)) or slabs[-1]) if pin_memory else empty(*size, **kw))
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(shape, generator=g).mul(9).to(dtype) for shape, dtype in
+               [((0,), torch.float32), ((3, 5), torch.bfloat16), ((7,), torch.float64), ((), torch.float32),
+                ((300, 17), torch.float32), ((2, 0, 3), torch.bfloat16), ((1000,), torch.int64)]]
+    copies = pt.pinned_copies([t.t() if t.dim() == 2 else t for t in tensors])  # (strided sources too)
+    for t, c in zip(tensors, copies):
+        assert c.dtype == t.dtype and torch.equal(c, t.t() if t.dim() == 2 else t)
+        assert any(0 <= c.data_ptr() - s.data_ptr() < s.nbytes or c.numel() == 0 for s in slabs)
+    total, slab, places = pt.pinned_slabs([t.nbytes for t in tensors])
+    assert slab & (slab - 1) == 0 and [s.nbytes for s in slabs] == [slab] * (total // slab) > []
+    spans = sorted((i * slab + at, i * slab + at + t.nbytes) for t, (i, at) in zip(tensors, places) if t.nbytes)
+    assert all(a % 512 == 0 and a < b <= c for (a, b), (c, _) in zip(spans, spans[1:] + [(total, 0)]))
+    assert pt.pinned_slabs([]) == (0, 1, []) and pt.pinned_copies([]) == [] and len(slabs) == total // slab
+
+
 @pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")  # (peft's from_pretrained)
 @pytest.mark.parametrize("lora", [{}, {"lora_rank": 4}], ids=["full", "lora"])
 def test_offload_on_a_cpu_moves_what_it_says_and_ends_with_a_resident_runs_weights_resumed_too(tmp_path, tokenizer,
@@ -1337,10 +1367,10 @@ def test_offload_on_a_cpu_moves_what_it_says_and_ends_with_a_resident_runs_weigh
     scoring the reference, ends with a resident run's weights to the bit, and so does its resume (which once lost the
     moments it loaded: set_state_dict's initialising step wrote over them). Its GPU twin, not yet run:
     test_cuda_offload_ends_with_the_weights_of_a_resident_run."""
-    from transformers import LlamaForSequenceClassification
-    config = pt.build_demo_policy(tokenizer, 1, 32, 2).config  # the policy's shape: the critic (from it) is as counted
-    config.num_labels = 1
-    LlamaForSequenceClassification(config).save_pretrained(tmp_path / "rm")
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+    LlamaForSequenceClassification(LlamaConfig(  # (not the policy's shape: full fine-tuning's critic is its copy)
+        vocab_size=len(tokenizer), hidden_size=48, num_hidden_layers=3, num_attention_heads=4, intermediate_size=96,
+        num_labels=1, pad_token_id=tokenizer.pad_token_id)).save_pretrained(tmp_path / "rm")
     tokenizer.save_pretrained(tmp_path / "rm")
     pinned, optimizers, empty, offload_moments = [], [], torch.empty, pt.offload_moments
     monkeypatch.setattr(torch, "empty", lambda *size, pin_memory=False, **kw: (
@@ -1382,7 +1412,8 @@ def test_offload_on_a_cpu_moves_what_it_says_and_ends_with_a_resident_runs_weigh
     slabs = {slab.data_ptr(): slab.nbytes for slab in pinned}
     assert all(any(0 <= v.data_ptr() - at < size for at, size in slabs.items())  # (each moment a view of a slab)
                for optimizer in optimizers for state in optimizer.state.values() for v in state.values() if v.dim())
-    parts = pt.host_parts(cfg, offloaded.device, 1, offloaded.reference.policy, offloaded.reward_model)
+    parts = pt.host_parts(cfg, offloaded.device, 1, offloaded.reference.policy, offloaded.reward_model,
+                          pt.critic_copies_reward(cfg, offloaded.tokenizer))
     assert sum(slabs.values()) == sum(parts.values()) and len(optimizers) == 2  # (the policy's and the critic's)
     shutil.copytree(tmp_path / "offloaded", tmp_path / "resumed")
     _, resumed = train("resumed", True, resume=pt.checkpoints(tmp_path / "resumed")[0])
