@@ -1372,11 +1372,12 @@ def test_offload_on_a_cpu_moves_what_it_says_and_ends_with_a_resident_runs_weigh
         vocab_size=len(tokenizer), hidden_size=48, num_hidden_layers=3, num_attention_heads=4, intermediate_size=96,
         num_labels=1, pad_token_id=tokenizer.pad_token_id)).save_pretrained(tmp_path / "rm")
     tokenizer.save_pretrained(tmp_path / "rm")
-    pinned, optimizers, empty, offload_moments = [], [], torch.empty, pt.offload_moments
+    pinned, optimizers, copied_in, empty, offload_moments = [], [], [], torch.empty, pt.offload_moments
     monkeypatch.setattr(torch, "empty", lambda *size, pin_memory=False, **kw: (
         pinned.append(empty(*size, **kw)) or pinned[-1]) if pin_memory else empty(*size, **kw))
 
     def layer_copied_in(layer, device):  # a layer's device copy: not its host tensor
+        copied_in.append(layer)
         for p, host in zip(layer.parameters(), layer.host_weights):
             p.data = host.clone()
 
@@ -1409,6 +1410,7 @@ def test_offload_on_a_cpu_moves_what_it_says_and_ends_with_a_resident_runs_weigh
     layers = [layer for m in frozen for layer in pt.decoder_layers(m)]
     assert all(p.data_ptr() == host.data_ptr() for layer in layers for p, host in zip(layer.parameters(),
                                                                                        layer.host_weights))
+    assert {id(layer) for layer in copied_in} == {id(layer) for layer in layers}  # (each came in for its forwards)
     slabs = {slab.data_ptr(): slab.nbytes for slab in pinned}
     assert all(any(0 <= v.data_ptr() - at < size for at, size in slabs.items())  # (each moment a view of a slab)
                for optimizer in optimizers for state in optimizer.state.values() for v in state.values() if v.dim())
@@ -3509,7 +3511,9 @@ def test_cuda_entry_point_trains(tmp_path, flags):
 @cuda
 def test_cuda_offload_ends_with_the_weights_of_a_resident_run(tmp_path, tokenizer):
     """--offload: the frozen reference and reward model bring each layer in from pinned host memory for its forward,
-    and Adam's moments wait there between steps; the run must end with a resident run's weights, to the bit."""
+    and Adam's moments wait there between steps; the run ends with a resident run's weights (to CUDA's nondeterministic
+    backward: to the bit on a CPU, test_offload_on_a_cpu_...), and an offloaded run resumed from its checkpoint with
+    its own (a resume once loaded zeros for the moments)."""
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForSequenceClassification
     rm = LlamaForSequenceClassification(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2,
                                                     num_attention_heads=2, intermediate_size=64, num_labels=1,
@@ -3518,14 +3522,19 @@ def test_cuda_offload_ends_with_the_weights_of_a_resident_run(tmp_path, tokenize
     tokenizer.save_pretrained(tmp_path / "rm")
     base = [*CUDA_LOOP, "--reward", "", "--reward-model", str(tmp_path / "rm"), "--max-staleness", "1",
             "--save-every", "2"]  # (a checkpoint reads the moments on the host: checkpoint_state syncs for it)
-    for name, flags in (("resident", []), ("offloaded", ["--offload"])):
+    for name, flags in (("resident", []), ("offloaded", ["--offload"]),
+                        ("inline", ["--offload", "--max-staleness", "0"])):  # (a resume at staleness 0 is exact)
         out = run_cuda_script([*base, *flags, "--output-dir", str(tmp_path / name)], tmp_path)
         cuda_records(tmp_path / name, 3)
-    assert "Adam at a step" in out and "critic from the reward model" in out
-    resident, offloaded = (AutoModelForCausalLM.from_pretrained(tmp_path / d / "policy") for d in ("resident",
-                                                                                                 "offloaded"))
-    for (name, a), b in zip(resident.state_dict().items(), offloaded.state_dict().values()):
-        assert torch.equal(a, b), name
+    assert "Adam at a step" in out and "memory on the host (--offload)" in out and "critic from the reward model" in out
+    shutil.copytree(tmp_path / "inline", tmp_path / "resumed")
+    run_cuda_script(["--resume", str(pt.checkpoints(tmp_path / "resumed")[0]), "--output-dir",
+                     str(tmp_path / "resumed")], tmp_path)
+    for ours, theirs in (("resident", "offloaded"), ("inline", "resumed")):
+        a, b = (AutoModelForCausalLM.from_pretrained(tmp_path / d / "policy").state_dict() for d in (ours, theirs))
+        assert a.keys() == b.keys()
+        for name in a:
+            torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-5, msg=f"{theirs}: {name}")
 
 
 @cuda
