@@ -1081,10 +1081,10 @@ def setup(cfg: Config, ctx: Dist = Dist()) -> Run:
     rule = load_function(cfg.reward) if cfg.reward else task.reward
     reward_shape = meta_model(cfg.reward_model, causal=False)
     if cfg.model:  # before loading any weights: a run that cannot fit stops here
-        plan_memory(cfg, device, ctx.world, meta_model(cfg.model), reward_shape, critic_copies_reward(cfg))
+        plan_memory(cfg, device, ctx.world, meta_model(cfg.model), reward_shape)
     tokenizer, policy, stop_ids, vocab = load_policy(cfg, device, task)
     if not cfg.model:  # (the task's model, built)
-        plan_memory(cfg, device, ctx.world, policy, reward_shape, critic_copies_reward(cfg, tokenizer))
+        plan_memory(cfg, device, ctx.world, policy, reward_shape, tokenizer)
     if not prompt_texts:
         raise SystemExit("no prompts: pass --prompts FILE.jsonl, or a --task that has them")
     prompt_ids = format_prompts(tokenizer, prompt_texts, cfg.chat_template, cfg.max_prompt_length)
@@ -1211,12 +1211,13 @@ def critic_copies_reward(cfg: Config, tokenizer=None) -> bool:  # build_critic's
         return False
 
 
-def plan_memory(cfg: Config, device, world: int, policy, reward_model, copies_reward=False):
+def plan_memory(cfg: Config, device, world: int, policy, reward_model, tokenizer=None):
     """One line: the bytes each part of the run holds on this device before activations (README: Memory), against
-    its memory; where they exceed it, a stop, before the big models load, that says what would fit. copies_reward:
-    the critic is a copy of the reward model (build_critic), not of the policy's backbone."""
+    its memory; where they exceed it, a stop, before the big models load, that says what would fit. tokenizer: the
+    policy's, where it is not at --model (whether the critic copies the reward model: critic_copies_reward)."""
     if policy is None:
         return
+    copies_reward = reward_model is not None and critic_copies_reward(cfg, tokenizer)
     capacity, ram, gib = device_memory(device), device_memory(torch.device("cpu")), 2**30
 
     def show(where: str, parts: dict, capacity: int):  # one line: each part, their total, against the capacity

@@ -1256,6 +1256,9 @@ def test_memory_line_counts_each_part_and_a_run_that_cannot_fit_stops_before_loa
     copied = pt.memory_parts(pt.parse_config(same), torch.device("cpu"), 1, model, rm, copies_reward=True)
     assert copied == {**full, "critic": 4 * n_rm, "critic grads+Adam": 12 * n_rm, "Adam at a step": 0,
                       "publish's gather": 0}
+    with pytest.raises(SystemExit, match="loaded"):  # (as setup counts it)
+        pt.setup(pt.parse_config(same))
+    assert f"critic {4 * n_rm / 2**20:.2f}, critic grads+Adam {12 * n_rm / 2**20:.2f}, " in capsys.readouterr().out
     q = dataclasses.replace(pt.parse_config(argv), lora_rank=4, lora_targets="self_attn.q_proj")  # (peft's suffix rule)
     n_q = sum(layer.self_attn.q_proj.in_features + layer.self_attn.q_proj.out_features for layer in model.model.layers)
     assert pt.memory_parts(q, torch.device("cpu"), 1, model, rm)["policy adapters+grads+Adam"] == 16 * 4 * n_q > 0
@@ -1354,6 +1357,7 @@ def test_pinned_copies_are_views_of_few_power_of_two_slabs_each_tensor_once(monk
     spans = sorted((i * slab + at, i * slab + at + t.nbytes) for t, (i, at) in zip(tensors, places) if t.nbytes)
     assert all(a % 512 == 0 and a < b <= c for (a, b), (c, _) in zip(spans, spans[1:] + [(total, 0)]))
     assert pt.pinned_slabs([]) == (0, 1, []) and pt.pinned_copies([]) == [] and len(slabs) == total // slab
+    assert pt.pinned_slabs([600] * 3) == (3072, 1024, [(0, 0), (1, 0), (2, 0)])  # (a slab each, 512-aligned)
 
 
 @pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")  # (peft's from_pretrained)
@@ -3528,8 +3532,9 @@ def test_cuda_offload_ends_with_the_weights_of_a_resident_run(tmp_path, tokenize
         cuda_records(tmp_path / name, 3)
     assert "Adam at a step" in out and "memory on the host (--offload)" in out and "critic from the reward model" in out
     shutil.copytree(tmp_path / "inline", tmp_path / "resumed")
-    run_cuda_script(["--resume", str(pt.checkpoints(tmp_path / "resumed")[0]), "--output-dir",
-                     str(tmp_path / "resumed")], tmp_path)
+    out = run_cuda_script(["--resume", str(tmp_path / "resumed/checkpoints/step-00000002"), "--output-dir",
+                           str(tmp_path / "resumed")], tmp_path)
+    assert "step-00000002 after iteration 2/3" in out
     for ours, theirs in (("resident", "offloaded"), ("inline", "resumed")):
         a, b = (AutoModelForCausalLM.from_pretrained(tmp_path / d / "policy").state_dict() for d in (ours, theirs))
         assert a.keys() == b.keys()
