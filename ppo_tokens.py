@@ -1232,13 +1232,13 @@ def plan_memory(cfg: Config, device, world: int, policy, reward_model, tokenizer
     host = lambda **flag: ranks * sum(host_parts(dataclasses.replace(cfg, **flag), device, world,  # noqa: E731
                                                  *models).values())
     if cfg.offload:  # what --offload moves into pinned host memory, beside the process's own
-        show(f"the host (--offload){f', per rank ({ranks} on this host)' if ranks > 1 else ''}",
-             host_parts(cfg, device, world, *models), ram)
-        if host() > ram:
+        pinned = ranks * show(f"the host (--offload){f', per rank ({ranks} on this host)' if ranks > 1 else ''}",
+                              host_parts(cfg, device, world, *models), ram)
+        if pinned > ram:
             lora = host(lora_rank=16)
             fits = [f"--lora-rank 16 (~{lora / gib:.0f} GiB)"] if not cfg.lora_rank and lora < ram else []
             fits += ["fewer ranks a host"] * (ranks > 1) + ["a smaller model"]
-            raise SystemExit(f"--offload: this run needs ~{host() / gib:.0f} GiB of host memory, more than its "
+            raise SystemExit(f"--offload: this run needs ~{pinned / gib:.0f} GiB of host memory, more than its "
                              f"{ram / gib:.0f} GiB: try {' or '.join(fits)}")
     if total > capacity:  # what the run would need with another flag (the same parts)
         needs = lambda gpus=world, **flag: sum(memory_parts(dataclasses.replace(cfg, **flag), device,  # noqa: E731
@@ -1475,14 +1475,13 @@ def shared_copy(model):  # the module tree again over the same parameters: no we
 def merged_weights(policy):
     """--lora-rank: the base's weights in its own order (the sampler's), each adapted one + its adapter's s B A; whole
     (FSDP2: each gathered from the shards, a collective: every rank iterates it)."""
-    from torch.distributed.tensor import DTensor
     for name, p in policy.named_parameters():
         if ".lora_" in name:  # (an adapter's own weights)
             continue
         if name.endswith(".base_layer.weight"):  # an adapted layer's
             layer = policy.get_submodule(name.removesuffix(".base_layer.weight"))
             p = p + layer.get_delta_weight(layer.active_adapters[0])
-        yield p.full_tensor() if isinstance(p, DTensor) else p
+        yield getattr(p, "full_tensor", lambda: p)()
 
 
 # --offload (CUDA): what waits on the GPU between its uses waits in pinned host memory, brought in non-blocking
@@ -1521,16 +1520,12 @@ def offload_moments(optimizer):
     def move(to_host: bool):
         moments = [(p, k) for p, state in optimizer.state.items() for k, v in state.items()
                    if torch.is_tensor(v) and v.shape == p.shape]  # (exp_avg, exp_avg_sq; not step)
-        new = dict.fromkeys(m for m in moments if to_host and m not in pinned)  # (the first step's: all at once)
-        pinned.update(zip(new, pinned_copies([optimizer.state[p][k] for p, k in new])))  # (copied, waited for)
-        for p, k in moments:
+        new = [m for m in moments if to_host and m not in pinned]  # (the first step's: all at once)
+        pinned.update(zip(new, pinned_copies([optimizer.state[p][k] for p, k in new])))
+        for p, k in moments:  # (a copy to the host: checkpoint_state syncs before DCP reads or loads into it)
             state = optimizer.state[p]
-            if not to_host:
-                state[k] = state[k].to(p.device, non_blocking=True)
-            elif (p, k) in new:
-                state[k] = pinned[p, k]
-            else:  # (its last copy to the device, before the step, came first on this stream)
-                state[k] = pinned[p, k].copy_(state[k], non_blocking=True)  # (checkpoint_state syncs before reading)
+            state[k] = pinned[p, k].copy_(state[k], non_blocking=True) if to_host else \
+                state[k].to(p.device, non_blocking=True)
     optimizer.register_step_pre_hook(lambda *_: move(False))
     optimizer.register_step_post_hook(lambda *_: move(True))
     optimizer.register_load_state_dict_post_hook(lambda _: move(True))  # (a resume: loading casts them to the GPU)
@@ -1595,14 +1590,14 @@ def wrap_for_training(model, cfg: Config):  # torchrun: DDP, or --fsdp FSDP2
         return model
     device = next(model.parameters()).device
     if cfg.fsdp:  # --offload: FSDP2's CPUOffloadPolicy, the fp32 weights, gradients and Adam's step on the host
-        from torch.distributed.fsdp import CPUOffloadPolicy
-        return fsdp_shard(model, **({"offload_policy": CPUOffloadPolicy()} if cfg.offload else {}))
+        return fsdp_shard(model, offload=cfg.offload)
     return nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
 
 
-def fsdp_shard(model, group=None, **options):  # FSDP2 over group's ranks (None: all): each decoder layer, the root
-    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+def fsdp_shard(model, group=None, offload=False, **options):  # FSDP2 over group's ranks (None: all): each decoder
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh  # layer, then the root
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+    options.update({"offload_policy": CPUOffloadPolicy()} if offload else {})  # (pinned; each layer gathered as used)
     kind = next(model.parameters()).device.type  # a mesh of it: without one, fully_shard moves a CPU run to cuda:0
     world = torch.distributed.get_world_size()
     mesh = DeviceMesh.from_group(group, kind) if group else init_device_mesh(kind, (world,))
@@ -1946,11 +1941,10 @@ def sampler_copy(policy, dtype):
     """The sampler's inference copy of the policy, bf16 on GPU, else dtype, no gradients -> (it, the flat buffer every
     parameter of it is a view of: a weight sync is one copy). Made in that buffer: never two copies of the weights."""
     dtype = torch.bfloat16 if policy.device.type == "cuda" else dtype  # (one dtype: one flat buffer)
-    params = list(policy.parameters())  # each tied weight once
-    flat = torch.empty(sum(p.numel() for p in params), dtype=dtype, device=policy.device)
-    for p, piece in zip(params, flat.split([p.numel() for p in params])):
-        piece.copy_(p.detach().reshape(-1))
+    flat = torch.empty(sum(p.numel() for p in policy.parameters()), dtype=dtype, device=policy.device)
     sampler = tree_over(policy, flat)
+    for mine, theirs in zip(sampler.parameters(), policy.parameters()):  # (each tied weight once, in one order)
+        mine.data.copy_(theirs.data)
     if policy.device.type == "cpu" and dtype == torch.bfloat16:  # torch's CPU bf16 linear of a strided input
         # (logits_to_keep's (B, 1, H) slice) allocates ~15 bytes a weight for a moment: +2 GiB at every prefill for
         # Qwen2.5-0.5B's 152k-token head (fp32: no; and its rounding, unlike a copy's, is what fp32 runs have)
@@ -2248,11 +2242,9 @@ def start_training(cfg: Config, run, output_dir: str, threaded, ctx: Dist) -> Tr
     if sharded and shards_frozen(cfg, device):  # each rank holds 1 / world of them; a forward gathers the rest
         # (CUDA: the trainer's own group, as they run inline, between its collectives; gloo: the producer's)
         t.frozen_group = t.sampler_group if device.type == "cpu" else torch.distributed.group.WORLD
-        from torch.distributed.fsdp import CPUOffloadPolicy
-        offload = {"offload_policy": CPUOffloadPolicy()} if cfg.offload else {}  # (pinned; gathered as used)
         for model in (run.reference, run.reward_model):
             if model is not None:
-                fsdp_shard(model, t.frozen_group, reshard_after_forward=True, **offload)  # (the root too: it waits)
+                fsdp_shard(model, t.frozen_group, cfg.offload, reshard_after_forward=True)  # (the root too: it waits)
         print(f"reference{' and reward model' if run.reward_model else ''} sharded over {ctx.world} ranks (FSDP2)")
     elif sharded:
         print("reference and reward model replicated: --max-staleness > 0 on CUDA scores them in the sampler thread "
