@@ -3535,6 +3535,8 @@ def test_cuda_offload_ends_with_the_weights_of_a_resident_run(tmp_path, tokenize
     out = run_cuda_script(["--resume", str(tmp_path / "resumed/checkpoints/step-00000002"), "--output-dir",
                            str(tmp_path / "resumed")], tmp_path)
     assert "step-00000002 after iteration 2/3" in out
+    staleness = [[r.get("staleness_max") for r in read_metrics(tmp_path / d)] for d in ("resident", "offloaded")]
+    assert staleness[0] == staleness[1]  # (at --max-staleness 1 a timing difference, not offload, would change this)
     for ours, theirs in (("resident", "offloaded"), ("inline", "resumed")):
         a, b = (AutoModelForCausalLM.from_pretrained(tmp_path / d / "policy").state_dict() for d in (ours, theirs))
         assert a.keys() == b.keys()
