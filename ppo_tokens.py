@@ -1195,7 +1195,8 @@ def device_memory(device) -> int:  # bytes: the GPU's, or the host's RAM (within
         return torch.cuda.get_device_properties(device).total_memory
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     try:
-        return min(ram, int(open("/sys/fs/cgroup/memory.max").read()))
+        with open("/sys/fs/cgroup/memory.max") as f:
+            return min(ram, int(f.read()))
     except (OSError, ValueError):  # (no such file, or "max": no limit)
         return ram
 
