@@ -1393,6 +1393,8 @@ def test_offload_on_a_cpu_moves_what_it_says_and_ends_with_a_resident_runs_weigh
             for state in optimizer.state.values():
                 state.update({k: v.clone() for k, v in state.items() if v.dim()})
         optimizer.register_step_pre_hook(copy_in)
+    chosen, offload_layers = [], pt.offload_layers  # the models setup offloads, offloaded once its refusal passed
+    monkeypatch.setattr(pt, "offload_layers", lambda model, cfg, device: chosen.append(model) or model)
     monkeypatch.setattr(pt, "layer_to", layer_copied_in)
     monkeypatch.setattr(pt, "offload_moments", moments_copied_in)
 
@@ -1400,17 +1402,19 @@ def test_offload_on_a_cpu_moves_what_it_says_and_ends_with_a_resident_runs_weigh
         cfg = pt.make_config(demo_hidden=32, demo_layers=2, demo_warmup_steps=0, steps=3, batch_size=16, minibatches=2,
                              response_length=6, reward_model=str(tmp_path / "rm"), eval_size=40, sample_every=0,
                              save_every=2, device="cpu", demo_cache=str(tmp_path / "cache"), **lora, **flags)
+        chosen.clear()
         run = pt.setup(cfg)
-        if offload:  # (setup's refusal passed: what setup then does with the flag; LoRA's reference is the base)
+        if offload:  # (setup's refusal passed: what setup then does with the flag)
             cfg.offload = True
-            for model in (run.reward_model,) if lora else (run.reference.policy, run.reward_model):
-                pt.offload_layers(model, cfg, run.device)
+            for model in chosen:
+                offload_layers(model, cfg, run.device)
         os.makedirs(tmp_path / name, exist_ok=True)
         pt.train(cfg, run, str(tmp_path / name), threaded=True)
         return cfg, run
 
     (_, resident), (cfg, offloaded) = train("resident", False), train("offloaded", True)
     frozen = (offloaded.reward_model,) if lora else (offloaded.reference.policy, offloaded.reward_model)
+    assert [id(m) for m in chosen] == [id(m) for m in frozen]  # (LoRA's reference is the base: nothing to move)
     layers = [layer for m in frozen for layer in pt.decoder_layers(m)]
     assert all(p.data_ptr() == host.data_ptr() for layer in layers for p, host in zip(layer.parameters(),
                                                                                        layer.host_weights))
