@@ -2409,6 +2409,7 @@ def test_packed_weight_sync_makes_sampler_and_trainer_weights_identical():
     policy = tiny_llama(16, seed=1, dtype=torch.float32, tie_word_embeddings=True)
     sampler, flat = pt.sampler_copy(policy, torch.bfloat16)  # made in one buffer, each tied weight once
     assert flat.numel() == sum(p.numel() for p in policy.parameters()) and sampler.lm_head.weight.dtype == torch.bfloat16
+    assert sampler.lm_head.weight.data_ptr() == sampler.model.embed_tokens.weight.data_ptr()  # (still tied)
     assert all(torch.equal(p.to(torch.bfloat16), q) for p, q in zip(policy.parameters(), sampler.parameters()))
     sampler, flat = pt.sampler_copy(policy, torch.float32)
     sync = pt.WeightSync(policy, flat)
