@@ -754,7 +754,9 @@ def _cache_tensors(decoder):  # copies, in fp32, of every tensor the decoder's c
 
 
 def check_batch(model, batch_size: int, group=1):  # (ids, mask, position ids): random 3-token prompts, one left pad
-    ids = torch.randint(0, model.config.vocab_size, (batch_size // group, 3), device=model.device)
+    # (its own generator: a check, at start-up or mid-run, never moves the global RNG a resumed run restored)
+    own = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (batch_size // group, 3), generator=own).to(model.device)
     # (group 1: randint's own tensor; through repeat_interleave, a compiled prefill recompiled for later prompts)
     ids = ids.repeat_interleave(group, 0) if group > 1 else ids  # rows in groups of `group` alike
     mask = torch.ones_like(ids)

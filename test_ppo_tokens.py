@@ -1984,8 +1984,9 @@ def test_a_groups_shared_prompt_is_prefilled_once_and_samples_the_plain_loops_to
     a batch whose rows do not repeat in groups prefills every row. Both sample what the plain loop samples."""
     policy = (tiny_gpt2 if family == "gpt2" else tiny_llama)(len(tokenizer), seed=2)
     grouped = [t for t in ["1+2=", "37+45=", "123+4="] for _ in range(4)]  # 3 groups of 4, ragged: left padding
+    rng = torch.get_rng_state()
     decoder = pt.fast_decoder(policy, len(grouped), 20, pt.PlainDecoder, group=4)
-    assert decoder.shared is not None
+    assert decoder.shared is not None and torch.equal(torch.get_rng_state(), rng)  # (its checks: their own generator)
     forwards = []  # the (rows, columns) of each model call: a prefill has more than one column
     hook = policy.register_forward_pre_hook(lambda m, a, kw: forwards.append(tuple(kw["input_ids"].shape)),
                                             with_kwargs=True)
@@ -2411,7 +2412,8 @@ def test_bad_environments_get_one_line_and_lose_nothing(tmp_path, capsys):
 def test_packed_weight_sync_makes_sampler_and_trainer_weights_identical():
     policy = tiny_llama(16, seed=1, dtype=torch.float32, tie_word_embeddings=True)
     sampler, flat = pt.sampler_copy(policy, torch.bfloat16)  # made in one buffer, each tied weight once
-    assert flat.numel() == sum(p.numel() for p in policy.parameters()) and sampler.lm_head.weight.dtype == torch.bfloat16
+    assert flat.numel() == sum(p.numel() for p in policy.parameters())
+    assert sampler.lm_head.weight.dtype == torch.bfloat16
     assert sampler.lm_head.weight.data_ptr() == sampler.model.embed_tokens.weight.data_ptr()  # (still tied)
     assert all(torch.equal(p.to(torch.bfloat16), q) for p, q in zip(policy.parameters(), sampler.parameters()))
     sampler, flat = pt.sampler_copy(policy, torch.float32)
