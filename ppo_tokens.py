@@ -343,8 +343,9 @@ def train(cfg: Config, run, output_dir: str, threaded=None, ctx: Dist = Dist()):
                     raise SystemExit(f"stopping: {t.bad_steps} consecutive updates skipped for non-finite values "
                                      f"(last: {problem}); the last good checkpoint is "
                                      f"{t.last_checkpoint or 'none (--save-every 0)'}")
-            # 6. a SIGINT / SIGTERM to any rank: every rank stops after this iteration, with a checkpoint
-            if any_rank(stop.name is not None, device):
+            # 6. a SIGINT / SIGTERM to any rank: every rank stops after this iteration, with a checkpoint (after the
+            # last one, the run ends as it would have: policy/ and the summary)
+            if step < cfg.steps and any_rank(stop.name is not None, device):
                 if not str(t.last_checkpoint).endswith(f"step-{step:08d}"):  # (not just written by --save-every)
                     save_training(t, step, batch)
                 launcher = "python" if ctx.world == 1 else f"torchrun --nproc_per_node {ctx.world}"
@@ -2423,7 +2424,15 @@ class StopSignal:
 
 
 def finish_training(t: Training):  # the end of a run: the policy as an HF model (output_dir/policy), the summary
-    save_policy(t, os.path.join(t.output_dir, "policy"))
+    staging = os.path.join(t.output_dir, "policy.partial")  # written whole, then renamed: a crash leaves no half
+    if t.ctx.rank == 0:
+        shutil.rmtree(staging, ignore_errors=True)  # (a crashed run's)
+    save_policy(t, os.path.join(staging, "policy"))
+    if t.ctx.rank == 0:
+        for name in os.listdir(staging):  # policy/ (--lora-rank: and policy_adapter/)
+            shutil.rmtree(os.path.join(t.output_dir, name), ignore_errors=True)
+            os.replace(os.path.join(staging, name), os.path.join(t.output_dir, name))
+        os.rmdir(staging)
     history = t.history
     tenth = max(1, len(history) // 10)
     first, last = (sum(r["reward_mean"] for r in rs) / max(1, len(rs)) for rs in (history[:tenth], history[-tenth:]))

@@ -2543,6 +2543,25 @@ def test_sigterm_after_a_save_every_checkpoint_does_not_rewrite_it(tmp_path, mon
     assert len(history) == 2 and "stopped by SIGTERM after iteration 2/4" in out
     assert [l.split("/")[-1] for l in out.splitlines() if l.startswith("checkpoint: ")] == ["step-00000001",
                                                                                            "step-00000002"]  # once each
+    sys.modules["term"].calls = 0  # a signal in the last iteration: the run ends as it would have
+    cfg = pt.parse_config([*args, "--steps", "2", "--save-every", "2", "--output-dir", str(tmp_path / "last")])
+    os.makedirs(cfg.output_dir)
+    run = pt.setup(cfg)
+    assert len(pt.train(cfg, run, cfg.output_dir)) == 2
+    out = capsys.readouterr().out
+    assert "stopped by" not in out and "done: 2 iterations" in out
+    written = {f: os.stat(f).st_mtime_ns for f in (tmp_path / "last/policy").iterdir()}
+    save = type(run.tokenizer).save_pretrained  # a crash in the final save, after the weights: policy/ stays whole
+
+    def crash(self, path, **kwargs):
+        if "checkpoints" not in str(path):
+            raise OSError("disk full")
+        return save(self, path, **kwargs)
+    monkeypatch.setattr(type(run.tokenizer), "save_pretrained", crash)
+    cfg = pt.parse_config(["--resume", str(pt.checkpoints(tmp_path / "last")[-1])])
+    with pytest.raises(OSError, match="disk full"):
+        pt.train(cfg, pt.setup(cfg), cfg.output_dir)  # (an empty loop: straight to the final save)
+    assert {f: os.stat(f).st_mtime_ns for f in (tmp_path / "last/policy").iterdir()} == written
 
 
 def test_non_finite_rewards_skip_updates_then_stop_with_the_last_good_checkpoint_intact(tmp_path):
