@@ -1849,68 +1849,70 @@ def run_episodes(decoder, envs, texts, seeds, tokenizer, cfg: Config, pool=None,
     its --response-length budget (turns and observations) runs out. resize(columns): a static decoder with that many
     columns, for first observations longer than it was sized for. -> a Rollout with context_mask and token_rewards."""
     B, T, pad, mapper = len(envs), cfg.response_length, sampling["pad_id"], pool.map if pool else map
-    try:
-        first = list(mapper(lambda e, p, s: e.reset(p, seed=s)[0], envs, texts, seeds))
-        if not all(isinstance(x, str) for x in first):
-            raise TypeError("it must return (the first observation, a str; info)")
-    except Exception as e:  # (no episode has begun: nothing to keep)
-        raise SystemExit(f"--env: reset() raised {type(e).__name__}: {e}")
-    prompts = format_prompts(tokenizer, first, cfg.chat_template, cfg.max_prompt_length)
-    columns = max(map(len, prompts)) + 2 * T  # what a turn may fill: its (padded) context, then up to T tokens
-    if isinstance(decoder, StaticDecoder) and columns > decoder.max_len:  # (a reset() longer than every prompt)
-        if resize is None:
-            fall_back(f"--env: first observations of up to {columns - 2 * T} tokens and a budget of {T} need {columns} "
-                      f"columns, more than the static cache's {decoder.max_len}: this batch samples with the plain "
-                      "loop")
-        decoder = PlainDecoder(decoder.model) if resize is None else resize(columns)
-    chat = cfg.chat_template and getattr(tokenizer, "chat_template", None) is not None
-    rows = [Episode(list(p)) for p in prompts]
-    active, device = list(range(B)), sampling["generator"].device
-    for turn in range(cfg.max_turns):
-        budget = [T - rows[r].used for r in active]
-        ids, mask = left_pad([rows[r].context for r in active], pad, device)
-        if isinstance(decoder, StaticDecoder):  # its batch size: finished rows' places go to one-token copies
-            fill = decoder.mask.shape[0] - len(active)
-            ids, mask = (torch.cat([x, x[:1].expand(fill, -1)]) for x in (ids, mask))
-            budget += [1] * fill
-        out = generate(decoder, ids, mask, **{**sampling, "max_new_tokens": max(budget),
-                                              "budgets": torch.tensor(budget, device=device)})
-        actions, facts = [], []
-        for i, (r, turn_ids, n, stop) in enumerate(zip(active, out.response.tolist(), out.response_mask.sum(1).tolist(),
-                                                       out.ended.tolist())):  # (the host reads once a turn)
-            row = rows[r]
-            kept = None if out.kept_ids is None else out.kept_ids[i, :n]
-            row.pieces.append((out.response[i, :n], torch.ones(n, dtype=torch.long, device=device),
-                               out.behav_logprobs[i, :n], kept))
-            row.used, row.ended, row.context = row.used + n, stop, row.context + turn_ids[:n]
-            facts.append({"completion_ids": turn_ids[:n - stop], "ended": stop})
-            actions.append(tokenizer.decode(facts[-1]["completion_ids"], skip_special_tokens=True))
-        steps = list(mapper(env_step, [envs[r] for r in active], actions, [cfg.env_latency] * len(active), facts))
-        observed = {}  # the rows that go on, and their observations' ids
-        for r, (observation, reward, done, role, error) in zip(active, steps):
-            row = rows[r]
-            row.rewards.append((row.used - 1, reward))
-            row.error = error
-            if done or not row.ended or turn == cfg.max_turns - 1:
-                continue
-            try:  # (a template that refuses the role: this row's error)
-                obs = observation_ids(tokenizer, observation, role, chat, row.context[-1])
-            except Exception as e:
-                row.error = f"the observation: {type(e).__name__}: {str(e)[:200]}"
-                continue
-            if row.used + len(obs) < T:  # room for the observation and a token after it (else truncated)
-                observed[r] = obs
-        all_ids = torch.tensor([x for obs in observed.values() for x in obs], dtype=torch.long).to(device)  # one copy
-        for (r, obs), ids in zip(observed.items(), all_ids.split([len(obs) for obs in observed.values()])):
-            row, n, width = rows[r], len(obs), None if out.kept_ids is None else out.kept_ids.shape[2]
-            row.used, row.context = row.used + n, row.context + obs
-            kept = None if width is None else torch.cat([ids[:, None], ids.new_full((n, width - 1), -1)], 1)
-            row.pieces.append((ids, torch.zeros_like(ids), torch.zeros(n, device=device), kept))  # (kept: itself)
-        active = list(observed)
-        if not active:
-            break
-    for env in envs:  # (a sandbox, a subprocess: its resources go now)
-        getattr(env, "close", lambda: None)()
+    with contextlib.ExitStack() as closing:  # each environment closed at the end, or on an error (a sandbox, a
+        for env in envs:  # subprocess: its resources go now), each even if another's close() raised
+            closing.callback(getattr(env, "close", lambda: None))
+        try:
+            first = list(mapper(lambda e, p, s: e.reset(p, seed=s)[0], envs, texts, seeds))
+            if not all(isinstance(x, str) for x in first):
+                raise TypeError("it must return (the first observation, a str; info)")
+        except Exception as e:  # (no episode has begun: nothing to keep)
+            raise SystemExit(f"--env: reset() raised {type(e).__name__}: {e}")
+        prompts = format_prompts(tokenizer, first, cfg.chat_template, cfg.max_prompt_length)
+        columns = max(map(len, prompts)) + 2 * T  # what a turn may fill: its (padded) context, then up to T tokens
+        if isinstance(decoder, StaticDecoder) and columns > decoder.max_len:  # (a reset() longer than every prompt)
+            if resize is None:
+                fall_back(f"--env: first observations of up to {columns - 2 * T} tokens and a budget of {T} need "
+                          f"{columns} columns, more than the static cache's {decoder.max_len}: this batch samples with "
+                          "the plain loop")
+            decoder = PlainDecoder(decoder.model) if resize is None else resize(columns)
+        chat = cfg.chat_template and getattr(tokenizer, "chat_template", None) is not None
+        rows = [Episode(list(p)) for p in prompts]
+        active, device = list(range(B)), sampling["generator"].device
+        for turn in range(cfg.max_turns):
+            budget = [T - rows[r].used for r in active]
+            ids, mask = left_pad([rows[r].context for r in active], pad, device)
+            if isinstance(decoder, StaticDecoder):  # its batch size: finished rows' places go to one-token copies
+                fill = decoder.mask.shape[0] - len(active)
+                ids, mask = (torch.cat([x, x[:1].expand(fill, -1)]) for x in (ids, mask))
+                budget += [1] * fill
+            out = generate(decoder, ids, mask, **{**sampling, "max_new_tokens": max(budget),
+                                                  "budgets": torch.tensor(budget, device=device)})
+            actions, facts = [], []
+            lengths = out.response_mask.sum(1).tolist()
+            for i, (r, turn_ids, n, stop) in enumerate(zip(active, out.response.tolist(), lengths,
+                                                           out.ended.tolist())):  # (the host reads once a turn)
+                row = rows[r]
+                kept = None if out.kept_ids is None else out.kept_ids[i, :n]
+                row.pieces.append((out.response[i, :n], torch.ones(n, dtype=torch.long, device=device),
+                                   out.behav_logprobs[i, :n], kept))
+                row.used, row.ended, row.context = row.used + n, stop, row.context + turn_ids[:n]
+                facts.append({"completion_ids": turn_ids[:n - stop], "ended": stop})
+                actions.append(tokenizer.decode(facts[-1]["completion_ids"], skip_special_tokens=True))
+            steps = list(mapper(env_step, [envs[r] for r in active], actions, [cfg.env_latency] * len(active), facts))
+            observed = {}  # the rows that go on, and their observations' ids
+            for r, (observation, reward, done, role, error) in zip(active, steps):
+                row = rows[r]
+                row.rewards.append((row.used - 1, reward))
+                row.error = error
+                if done or not row.ended or turn == cfg.max_turns - 1:
+                    continue
+                try:  # (a template that refuses the role: this row's error)
+                    obs = observation_ids(tokenizer, observation, role, chat, row.context[-1])
+                except Exception as e:
+                    row.error = f"the observation: {type(e).__name__}: {str(e)[:200]}"
+                    continue
+                if row.used + len(obs) < T:  # room for the observation and a token after it (else truncated)
+                    observed[r] = obs
+            all_ids = torch.tensor([x for obs in observed.values() for x in obs], dtype=torch.long).to(device)  # (once)
+            for (r, obs), ids in zip(observed.items(), all_ids.split([len(obs) for obs in observed.values()])):
+                row, n, width = rows[r], len(obs), None if out.kept_ids is None else out.kept_ids.shape[2]
+                row.used, row.context = row.used + n, row.context + obs
+                kept = None if width is None else torch.cat([ids[:, None], ids.new_full((n, width - 1), -1)], 1)
+                row.pieces.append((ids, torch.zeros_like(ids), torch.zeros(n, device=device), kept))  # (kept: itself)
+            active = list(observed)
+            if not active:
+                break
 
     def field(k, fill):  # the rows' chunks of field k, each row right-padded to T columns: (B, T, ...)
         chunks = [torch.cat([chunk[k] for chunk in row.pieces]) for row in rows]

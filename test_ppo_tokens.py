@@ -2362,6 +2362,39 @@ def test_multi_turn_resume_after_kill_and_under_torchrun(tmp_path):
     assert full[0] == full[1] and digests(resumed) == full
 
 
+def test_every_environment_is_closed_after_its_episodes_even_after_an_error():
+    """A sandbox, a subprocess: run_episodes closes each environment, whether its episodes end, a reset() fails, the
+    run stops mid-turn (Producer.close at --max-staleness > 0) or another environment's close() raises."""
+    tokenizer = pt.build_demo_tokenizer(hints=True)
+    policy, texts, closed = tiny_llama(len(tokenizer), seed=3, max_position_embeddings=256), ["1+2=", "3+4="], []
+
+    class Sandbox(ScriptedEnv):
+        def __init__(self, fails=""):  # where it raises: "reset", "close" or nowhere
+            super().__init__()
+            self.fails = fails
+
+        def reset(self, prompt, seed=None):
+            if self.fails == "reset":
+                raise RuntimeError("no sandbox")
+            return super().reset(prompt, seed)
+
+        def close(self):
+            closed.append(self)
+            if self.fails == "close":
+                raise RuntimeError("cannot close")
+    cfg = pt.Config(response_length=20, max_turns=2, temperature=1.0, chat_template=False)
+    args = pt.sampling_args(cfg, tokenizer.pad_token_id, [tokenizer.eos_token_id], vocab=len(tokenizer))
+    stopping = threading.Event()
+    stopping.set()
+    for fails, stop, error in (("", None, None), ("reset", None, SystemExit), ("close", None, RuntimeError),
+                               ("", stopping, InterruptedError)):
+        envs, closed[:] = [Sandbox(fails), Sandbox()], []
+        with contextlib.nullcontext() if error is None else pytest.raises(error):
+            pt.run_episodes(policy, envs, texts, [0, 1], tokenizer, cfg, None, **args, stop=stop,
+                            generator=torch.Generator().manual_seed(0))
+        assert sorted(closed, key=id) == sorted(envs, key=id), fails or stop  # (each, once)
+
+
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step")  # (the skipped updates')
 def test_bad_environments_get_one_line_and_lose_nothing(tmp_path, capsys):
     (tmp_path / "envs.py").write_text(
