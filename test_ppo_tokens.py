@@ -219,6 +219,32 @@ def test_our_added_pad_token_is_never_sampled_and_scoring_agrees(tokenizer):
     assert pt.full_sequence(batch)[0].max() < vocab  # no model ever reads our pad id (a reward model lacks its row)
 
 
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.5, 0, 1.0), (0.7, 8, 0.8), (1.3, 0, 0.6)])
+def test_tokens_are_drawn_from_the_distribution_hf_defines(temperature, top_k, top_p):
+    """The draws themselves (the tests above check their recorded log-probs): 200k rows of one step over fixed logits
+    sample Hugging Face's warpers' distribution (the temperature, then top-k, then top-p) within sampling noise."""
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+    V, n = 24, 200_000
+    logits = torch.linspace(-2.0, 3.0, V)[torch.randperm(V, generator=torch.Generator().manual_seed(0))]
+
+    class Fixed:  # a decoder whose every step gives these logits
+        def start(self, ids, mask, position_ids):
+            return logits.expand(len(ids), V)
+    warpers = [TemperatureLogitsWarper(temperature), *([TopKLogitsWarper(top_k)] if top_k else []),
+               *([TopPLogitsWarper(top_p)] if top_p < 1 else [])]
+    expected = logits[None].clone()
+    for warp in warpers:
+        expected = warp(None, expected)
+    expected = torch.softmax(expected, -1)[0]  # (V,)
+    ids = torch.zeros(n, 1, dtype=torch.long)
+    batch = pt.generate(Fixed(), ids, torch.ones_like(ids), max_new_tokens=1, temperature=temperature, stop_ids=[V],
+                        pad_id=V + 1, generator=torch.Generator().manual_seed(1), top_k=top_k, top_p=top_p)
+    seen = torch.bincount(batch.response[:, 0], minlength=V).double() / n
+    assert 0.5 * (seen - expected).abs().sum() < 0.01  # total variation (noise: <= 0.003; without the temperature, or
+    # with it after top-p: 0.1-0.25)
+    torch.testing.assert_close(batch.behav_logprobs[:, 0].exp(), expected[batch.response[:, 0]])  # and its log-prob
+
+
 @pytest.mark.parametrize("temperature,top_k,top_p,full_logits", [(1.0, 0, 1.0, False), (0.7, 0, 1.0, True),
                                                                  (0.7, 0, 1.0, False), (1.3, 5, 1.0, False),
                                                                  (1.0, 0, 0.8, True)])
