@@ -518,6 +518,19 @@ def test_advantage_whitening_uses_real_tokens_only():
     assert (out[~mask.bool()] == 0).all()
 
 
+def test_gae_advantages_are_whitened_over_the_real_tokens_only_and_the_returns_are_not():
+    g = torch.Generator().manual_seed(7)
+    mask = (torch.arange(6)[None] < torch.tensor([6, 2, 4, 1])[:, None]).long()  # (4, 6), pads at the ends
+    rewards, values = (torch.where(mask.bool(), torch.randn(4, 6, dtype=torch.float64, generator=g), 0.0)
+                       for _ in range(2))
+    advantages, returns = pt.ADVANTAGES["gae"].fn(SimpleNamespace(rewards=rewards, values=values, response_mask=mask),
+                                                  pt.Config())
+    raw, raw_returns = pt.gae(rewards, values, mask, 1.0, 0.95)
+    real, raw = advantages[mask.bool()], raw[mask.bool()]
+    torch.testing.assert_close(real, (raw - raw.mean()) / raw.std(), rtol=0, atol=1e-6)  # (unbiased, real tokens)
+    assert (advantages[~mask.bool()] == 0).all() and torch.equal(returns, raw_returns)  # the critic's targets: raw
+
+
 def score_frozen(batch, reference, reward_fn, cfg):  # what make_batch does after sampling: the reward, then the rest
     pt.reward_scores(batch, reward_fn, cfg)
     pt.score_frozen(batch, reference, cfg)
