@@ -835,14 +835,16 @@ def test_loss_aggregation_modes_against_float64_references(agg):
 # gradient checkpointing and bf16, non-finite loss skips
 
 
-def test_ratio_is_exactly_one_on_the_first_minibatch(tokenizer):
-    cfg, policy, reference, critic, batch = tiny_setup(tokenizer, micro_batch_size=2)
+def test_ratio_is_exactly_one_on_the_first_minibatch_and_later_values_clip_around_the_rollouts(tokenizer):
+    cfg, policy, reference, critic, batch = tiny_setup(tokenizer, micro_batch_size=2, value_clip_range=1e-4)
     orders = [torch.randperm(8) for _ in range(cfg.ppo_epochs)]
     score(batch, policy, reference, critic, constant_reward(1.0), cfg, orders[0])
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (policy, critic)]
     stats = pt.ppo_update(policy, critic, *opts, batch, cfg, orders)
     assert stats["first_ratio_max_dev"] == 0.0
     assert stats["approx_kl"] > 0  # the later minibatches did move the policy
+    assert stats["vf_clipfrac"] > 0  # and the critic, past 1e-4 of the rollout's values (clipped around V_t itself:
+    # never)
 
 
 def sgd_update(tokenizer, prepare=None, edit_batch=None, **cfg_overrides):  # one ppo_update with plain SGD (lr 1)
