@@ -88,7 +88,7 @@ class Config:
     lr_decay: bool = arg(True, "decay both learning rates linearly to 0 over --steps")
     weight_decay: float = arg(0.0, "AdamW weight decay")
     adam_eps: float = arg(1e-5, "AdamW epsilon (1e-5 as in the N+ details, not PyTorch's 1e-8)")
-    max_grad_norm: float = arg(1.0, "gradient-norm clip, per model")
+    max_grad_norm: float = arg(1.0, "gradient-norm clip, per model (0: no clip, the norm still logged)")
     policy_loss: str = arg("ppo", "POLICY_LOSSES: 'ppo' (clipped ratio per token), 'gspo' (per sequence), 'cispo'")
     clip_range: float = arg(0.2, "PPO ratio clip epsilon")
     clip_range_high: float = arg(0.0, "upper ratio clip: 1 + this (DAPO's clip-higher, e.g. 0.28); 0 = --clip-range")
@@ -964,7 +964,7 @@ def ppo_update(policy, critic, policy_opt, critic_opt, batch: Rollout, cfg: Conf
             for optimizer in optimizers:
                 optimizer.zero_grad(set_to_none=True)
             continue
-        norms = [torch.nn.utils.clip_grad_norm_(m.parameters(), cfg.max_grad_norm) for m in models]
+        norms = [torch.nn.utils.clip_grad_norm_(m.parameters(), cfg.max_grad_norm or math.inf) for m in models]
         # FSDP2 returns a DTensor (--offload: on the host)
         norms = [getattr(n, "full_tensor", lambda: n)().to(sums["pg_loss"].device) for n in norms]
         losses = [sums["pg_loss"]] + ([sums["vf_loss"]] if critic is not None else [])
@@ -2720,7 +2720,7 @@ CHOICES = {"kl_estimator": ("k1", "k2", "k3"), "kl_in": ("reward", "loss"),
 LOWER_BOUNDS = {"steps": 1, "batch_size": 1, "response_length": 1, "ppo_epochs": 1, "minibatches": 1, "eval_every": 1,
                 "samples_per_prompt": 1, "keep_checkpoints": 1, "max_bad_steps": 1, "is_cap": 1, "max_staleness": 0,
                 "clip_range_high": 0, "save_every": 0, "micro_batch_tokens": 0, "max_turns": 1, "env_latency": 0,
-                "dynamic_sampling": 0, "lora_rank": 0}
+                "dynamic_sampling": 0, "lora_rank": 0, "max_prompt_length": 1, "max_grad_norm": 0}
 
 
 def parse_config(argv=None) -> Config:

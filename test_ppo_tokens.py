@@ -1003,6 +1003,9 @@ def test_gradient_clipping_bounds_each_step(tokenizer):
     assert stats["grad_norm"] > 1e-3  # clipping was needed ...
     norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(s) for s in step])))
     assert abs(norm - 1e-3) < 1e-6  # ... and the step (lr 1) has exactly the clipped norm
+    stats, step, _ = sgd_update(tokenizer, ppo_epochs=1, minibatches=1, max_grad_norm=0)  # 0: no clip (as HF's)
+    norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(s) for s in step])))
+    assert math.isclose(norm, stats["grad_norm"], rel_tol=1e-5) and norm > 1e-3
 
 
 def test_adamw_eps_and_linear_lr_decay(tokenizer):
@@ -2995,6 +2998,8 @@ def test_config_errors_name_the_flags(capsys):
              (["--scale-rewards", "std"], "--scale-rewards must be group, batch or none"),
              (["--loss-agg", "seq-mean"], "--loss-agg must be token-mean, seq-mean-token-mean or"),
              (["--clip-range-high", "-0.1"], "--clip-range-high must be >= 0"),
+             (["--max-prompt-length", "0"], "--max-prompt-length must be >= 1"),
+             (["--max-grad-norm", "-1"], "--max-grad-norm must be >= 0"),
              (["--policy-loss", "dapo"], "--policy-loss must be ppo, gspo or cispo"),
              (["--advantage", "grpo", "--samples-per-prompt", "2", "--kl-estimator", "k1"],
               "--kl-in loss needs --kl-estimator k2 or k3")]
