@@ -1439,10 +1439,11 @@ def lora_models(policy, cfg: Config, dtype):
     import peft
     cast_parameters(policy.requires_grad_(False), dtype)
     head = policy.get_output_embeddings().float()  # the log-prob head stays fp32, as in full fine-tuning (--bf16)
-    name = next(n for n, m in policy.named_modules() if m is head)  # (all-linear leaves the head out)
-    if head.weight is policy.get_input_embeddings().weight and cfg.lora_targets != "all-linear" and \
-            lora_matches(name, lora_targets(cfg)):  # an adapter's merge would change the embedding too
-        raise SystemExit(f"--lora-targets: {name} is this model's input embedding too (tied weights): drop it")
+    embedding = policy.get_input_embeddings()  # where tied to the head, an adapter's merge on one changes the other
+    for module, other in [(head, "input embedding"), (embedding, "output head")] * (head.weight is embedding.weight):
+        name = next(n for n, m in policy.named_modules() if m is module)
+        if cfg.lora_targets != "all-linear" and lora_matches(name, lora_targets(cfg)):  # (all-linear adapts neither)
+            raise SystemExit(f"--lora-targets: {name} is this model's {other} too (tied weights): drop it")
     reference = shared_copy(policy)
     critic = None
     if ADVANTAGES[cfg.advantage].critic:  # its backbone over the same base tensors, adapters of its own
