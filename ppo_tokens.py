@@ -1559,8 +1559,10 @@ def pinned_slabs(sizes: list) -> tuple:
     return slab * (n + 1) * bool(sizes), slab, places
 
 
-def decoder_layers(model):  # the transformer blocks: the longest ModuleList
-    return max((m for m in model.modules() if isinstance(m, nn.ModuleList)), key=len)
+def decoder_layers(model):  # the transformer blocks: the ModuleList of the most weights (not the longest: an MoE
+    # layer's experts can outnumber the layers, as in transformers 4's Qwen2-MoE: 60 experts, 24 layers)
+    return max((m for m in model.modules() if isinstance(m, nn.ModuleList)),
+               key=lambda m: (sum(p.numel() for p in m.parameters()), len(m)))
 
 
 def checkpoint_layers(model):  # non-reentrant: works in eval mode, unlike transformers' own, and under FSDP2

@@ -1080,6 +1080,15 @@ def test_packed_training_matches_padded_training(tokenizer, monkeypatch):
         torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-5)
 
 
+def test_decoder_layers_are_the_blocks_not_an_moe_layers_longer_list_of_experts():
+    """Checkpointing, FSDP2's units, --offload and the memory line work per decoder layer: transformers 4's MoE models
+    hold each layer's experts in a ModuleList longer than the list of layers (Qwen2-MoE: 60 experts, 24 layers)."""
+    block = lambda: torch.nn.ModuleDict({"attention": torch.nn.Linear(8, 8),  # noqa: E731
+                                         "experts": torch.nn.ModuleList(torch.nn.Linear(8, 2) for _ in range(6))})
+    model = torch.nn.ModuleDict({"embed": torch.nn.Embedding(10, 8), "layers": torch.nn.ModuleList([block(), block()])})
+    assert pt.decoder_layers(model) is model["layers"]
+
+
 def test_gradient_checkpointing_and_bf16_autocast_keep_the_update(tokenizer):
     _, plain, _ = sgd_update(tokenizer, ppo_epochs=1, minibatches=1)
     calls = []
