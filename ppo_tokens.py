@@ -1576,8 +1576,12 @@ def outside_autocast(fn, hidden, dtype, *args, **kwargs):  # --bf16: a head comp
 
 
 def fp32_head(model):  # --bf16: the lm_head in fp32, so the full logits and their post-processing are fp32
-    head = model.get_output_embeddings()
-    head.forward = functools.partial(outside_autocast, head.forward, dtype=head.weight.dtype)
+    head = model.get_output_embeddings()  # (a partial over the head itself: its deep copy, as a bf16 sampler's,
+    head.forward = functools.partial(own_dtype_forward, head)  # computes in its own dtype)
+
+
+def own_dtype_forward(head, hidden):  # fp32_head's: the head's own forward outside autocast, in its weights' dtype
+    return outside_autocast(functools.partial(type(head).forward, head), hidden, head.weight.dtype)
 
 
 def autocast(cfg: Config, device):  # --bf16: the trainer's forwards in bf16 autocast, its weights and Adam in fp32
@@ -2208,8 +2212,9 @@ def start_training(cfg: Config, run, output_dir: str, threaded, ctx: Dist) -> Tr
     trained = [m for m in (policy, run.critic) if m is not None]
     for model in trained if cfg.gradient_checkpointing else ():  # (not the sampler copy, made above)
         checkpoint_layers(model)
-    if cfg.bf16:
-        fp32_head(policy)
+    for model in (policy, run.reference.policy) if cfg.bf16 else ():  # (the reference's too where fp32: --lora-rank's
+        if model.get_output_embeddings().weight.dtype == torch.float32:  # shares the policy's; --dtype float32)
+            fp32_head(model)
     actor = wrap_for_training(Actor(policy, cfg.temperature, cfg.full_logits, run.vocab), cfg)
     critic = wrap_for_training(run.critic, cfg) if run.critic is not None else None
     policy_opt, critic_opt, schedules = make_optimizers(cfg, actor, critic)

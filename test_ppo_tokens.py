@@ -1598,6 +1598,31 @@ def test_lora_bf16_over_a_tied_embedding_trains_and_its_sampler_is_one_bf16_buff
     assert held == pt.memory_parts(cfg, torch.device("cpu"), 1, run.reference.policy, None)["sampler"]
 
 
+@pytest.mark.skipif(not pt.native_bf16(torch.device("cpu")), reason="this CPU has no bf16 matmuls (AVX512-BF16, AMX)")
+@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")  # (peft)
+def test_lora_bf16_reference_is_the_base_to_the_bit_through_full_logits_too(tmp_path, tokenizer, monkeypatch):
+    """--lora-rank --bf16 --full-logits (as Gemma-2's soft cap or a head with a bias take): the reference's tree
+    computes the fp32 head it shares with the policy outside autocast as the policy's does (it computed it in bf16: a
+    KL from the first step), so with the adapters at zero their log-probs agree to the bit."""
+    write_reward_module(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    tiny_llama(len(tokenizer), dtype=torch.float32, tie_word_embeddings=True).save_pretrained(tmp_path / "tied")
+    tokenizer.save_pretrained(tmp_path / "tied")
+    (tmp_path / "p.jsonl").write_text("".join(f'{{"prompt": "{a}+{a}="}}\n' for a in range(16)))
+    cfg = pt.parse_config([*TINY, "--model", str(tmp_path / "tied"), "--prompts", "p.jsonl", "--no-chat-template",
+                           "--reward", "count_ones:score", "--response-length", "4", "--bf16", "--lora-rank", "4",
+                           "--full-logits"])
+    run = pt.setup(cfg)
+    t = pt.start_training(cfg, run, str(tmp_path), False, pt.Dist())
+    t.close()
+    ids, mask = pt.left_pad(pt.format_prompts(tokenizer, ["1+2=", "37+45="], False, 64), tokenizer.pad_token_id, "cpu")
+    batch = pt.generate(t.decoder.model, ids, mask, max_new_tokens=4, temperature=1.0, stop_ids=tokenizer.eos_token_id,
+                        pad_id=tokenizer.pad_token_id, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), pt.autocast(cfg, torch.device("cpu")):  # (as score_frozen and the update)
+        reference, policy = (pt.rollout_logprobs(m, batch, cfg)[0] for m in (run.reference, t.actor))
+    assert torch.equal(reference, policy)
+
+
 def test_model_directory_prompts_file_and_reward_function(tmp_path, tokenizer):
     """--model DIR (with a chat template) + --prompts JSONL + --reward module:function, through the real CLI."""
     import copy
