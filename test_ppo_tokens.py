@@ -463,11 +463,11 @@ def test_multi_turn_rewards_land_on_each_turns_last_policy_token():
     turns = torch.zeros(2, 7, dtype=torch.float64)
     turns[0, 1], turns[0, 5], turns[1, 2] = 0.25, 1.0, 0.5  # each turn's reward on its last policy token
     kl = torch.rand(2, 7, dtype=torch.float64)
-    scores = turns.sum(-1) - torch.tensor([0.0, 1.0])  # row 1: the missing-EOS penalty on the episode's return
+    scores = turns.sum(-1) - torch.tensor([2.0, 1.0])  # the missing-EOS penalty on the episode's return
     rewards = pt.per_token_rewards(scores, kl, mask, 0.1, turns)
     expected = torch.where(mask.bool(), -0.1 * kl, 0.0)
     expected[0, 1] += 0.25
-    expected[0, 5] += 1.0
+    expected[0, 5] += 1.0 - 2.0  # (the last policy token: not column 3, an observation's, nor the mask's count - 1)
     expected[1, 2] += 0.5 - 1.0
     torch.testing.assert_close(rewards, expected, rtol=0, atol=1e-12)
     assert (rewards[~mask.bool()] == 0).all()  # never on an observation or a pad
