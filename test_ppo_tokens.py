@@ -381,10 +381,12 @@ def test_packed_scoring_equals_padded_scoring(tokenizer, family):
     assert "MistralModel cannot run packed (sliding-window" in pt.use_packed_attention(pt.backbone_of(sliding))
 
 
-def test_reward_model_scores_at_last_token_with_same_or_different_tokenizer(tokenizer):
+@pytest.mark.parametrize("family", ["llama", "gpt2"])  # gpt2: absolute positions, which left padding must not shift
+def test_reward_model_scores_at_last_token_with_same_or_different_tokenizer(tokenizer, family):
     import copy
-    rm = pt.ScalarHeadModel(tiny_llama(len(tokenizer) + 1, seed=7, dtype=torch.float32).model,
-                            torch.nn.Linear(32, 1, bias=False)).eval()
+    backbone = tiny_llama(len(tokenizer) + 1, seed=7, dtype=torch.float32).model if family == "llama" else \
+        tiny_gpt2(len(tokenizer) + 1, seed=7).float().transformer
+    rm = pt.ScalarHeadModel(backbone, torch.nn.Linear(32, 1, bias=False)).eval()
     texts, answers = ["1+2=", "37+45=", "9+90="], ["3", "82", ""]
     ids, mask = pt.left_pad(pt.format_prompts(tokenizer, texts, False, 64), tokenizer.pad_token_id, "cpu")
     targets = [tokenizer(a, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for a in answers]
