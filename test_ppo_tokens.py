@@ -176,6 +176,30 @@ def test_every_stop_id_of_the_generation_config_ends_a_row(tokenizer):
     assert tok.pad_token == pt.PAD_TOKEN and tok.pad_token_id not in stop_ids
 
 
+def test_a_runs_completions_end_at_every_stop_id_of_its_model(tmp_path, tokenizer, monkeypatch):
+    """The wiring from setup to the sampler (the test above checks generate itself): a model whose generation_config
+    makes '+' an end of turn, and its likeliest token; no completion a reward reads may hold one."""
+    from transformers import GenerationConfig
+    plus, model = tokenizer.convert_tokens_to_ids("+"), tiny_llama(len(tokenizer), dtype=torch.float32)
+    model.generation_config = GenerationConfig(eos_token_id=[plus, tokenizer.eos_token_id])
+    ids = torch.tensor([tokenizer("12+34=", add_special_tokens=False)["input_ids"]])
+    with torch.no_grad():
+        hidden = model.model(input_ids=ids).last_hidden_state.mean((0, 1))
+        model.lm_head.weight[plus] = 5 * hidden / hidden.square().sum()  # (its logit: 5 above the others' ~0)
+    model.save_pretrained(tmp_path / "m")
+    tokenizer.save_pretrained(tmp_path / "m")
+    (tmp_path / "p.jsonl").write_text("".join(f'{{"prompt": "{a}+{a}="}}\n' for a in range(16)))
+    (tmp_path / "seen.py").write_text("texts = []\ndef score(prompts, completions):\n    texts.extend(completions)\n"
+                                      "    return [0.0] * len(completions)\n")
+    monkeypatch.chdir(tmp_path)
+    cfg = pt.parse_config([*TINY, "--model", str(tmp_path / "m"), "--prompts", "p.jsonl", "--no-chat-template",
+                           "--reward", "seen:score", "--response-length", "6", "--steps", "1", "--output-dir", "run"])
+    os.makedirs(cfg.output_dir)
+    pt.train(cfg, pt.setup(cfg), cfg.output_dir)
+    texts = sys.modules["seen"].texts
+    assert len(texts) == 16 and not any("+" in t for t in texts) and texts.count("") > 4, texts
+
+
 def test_pad_token_is_added_when_missing_or_equal_to_eos(tokenizer):
     import copy
     tok = copy.deepcopy(tokenizer)
