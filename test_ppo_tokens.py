@@ -3989,6 +3989,25 @@ def variant_update(tokenizer, edit_scored=None, **cfg_overrides):
     return stats, batch, [p.detach() - b for p, b in zip(policy.parameters(), before)]
 
 
+def test_the_kl_term_and_the_entropy_bonus_step_along_their_own_gradients(tokenizer):
+    """loss = policy loss - entropy_coef * H + kl_coef * KL (--kl-in loss), H and KL token means over the loss's
+    tokens: with SGD (lr 1) a step less the step without the term is the term's gradient times its coefficient, signed
+    to lower the KL and raise the entropy. Half the rows leave the loss (as flat groups do) and count in neither."""
+    def leave_half(batch):
+        batch.loss_mask[4:] = 0
+    grpo = dict(advantage="grpo", samples_per_prompt=4, kl_coef=0.0, edit_scored=leave_half)
+    _, batch, without = variant_update(tokenizer, **grpo)
+    for coef, sign, term in ((dict(kl_coef=0.3), -1, lambda lp, h: pt.kl_estimate(lp, batch.ref_logprobs, "k3")),
+                             (dict(entropy_coef=0.2), 1, lambda lp, h: h)):
+        _, _, step = variant_update(tokenizer, **{**grpo, **coef})
+        policy = tiny_setup(tokenizer)[1]  # (the same weights as the update's)
+        logprobs, entropy = pt.rollout_logprobs(policy, batch, pt.Config(response_length=4))
+        pt.masked_mean(term(logprobs, entropy), batch.loss_mask).backward()
+        for p, a, b in zip(policy.parameters(), step, without, strict=True):
+            torch.testing.assert_close(a - b, sign * next(iter(coef.values())) * p.grad, rtol=1e-3, atol=1e-6)
+        assert max(float(g.abs().max()) for g in (p.grad for p in policy.parameters())) > 1e-4
+
+
 def stale_old_logprobs(batch):  # an "old" policy that is not the current one: ratios far enough from 1 to be clipped
     noise = torch.randn(batch.old_logprobs.shape, generator=torch.Generator().manual_seed(3))
     batch.old_logprobs = batch.old_logprobs + 0.3 * noise
