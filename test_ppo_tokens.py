@@ -1942,6 +1942,7 @@ def test_sampler_errors_and_sigterm_stop_the_run_without_a_hung_thread(tmp_path,
     assert "stopped by SIGTERM after iteration" in out and f"--resume {checkpoint}" in out
     state = load_into_fresh_models(checkpoint)
     assert state["step"] >= 2 and not any(t.name == "ppo_tokens-sampler" for t in threading.enumerate())
+    assert state["prompts_drawn"] == 16 * state["step"]  # the trained batches' prompts, not the sampler's run-ahead
 
 
 @slow
