@@ -1039,6 +1039,9 @@ def test_adamw_eps_and_linear_lr_decay(tokenizer):
     policy, critic = tiny_llama(len(tokenizer), dtype=torch.float32), tiny_llama(len(tokenizer), dtype=torch.float32)
     policy_opt, critic_opt, schedules = pt.make_optimizers(cfg, policy, critic)
     assert policy_opt.param_groups[0]["eps"] == 1e-5 and critic_opt.param_groups[0]["lr"] == cfg.critic_lr
+    assert [o.param_groups[0]["weight_decay"] for o in (policy_opt, critic_opt)] == [0.0, 0.0]  # (AdamW's own: 0.01)
+    given = pt.make_optimizers(pt.Config(adam_eps=1e-7, weight_decay=0.1), policy, critic)[:2]
+    assert [(o.param_groups[0]["eps"], o.param_groups[0]["weight_decay"]) for o in given] == [(1e-7, 0.1)] * 2
     lrs = []
     for _ in range(10):
         lrs.append(schedules[0].get_last_lr()[0])
@@ -1905,7 +1908,7 @@ def load_into_fresh_models(checkpoint):  # what --resume does, into models built
     policy_opt, critic_opt, schedules = pt.make_optimizers(cfg, actor, critic)
     state = pt.load_checkpoint(checkpoint, actor, critic, (policy_opt, critic_opt), schedules)
     assert all(torch.isfinite(p).all() for p in [*policy.parameters(), *critic.parameters()])
-    assert schedules[0].last_epoch == state["step"] and len(policy_opt.state) > 0
+    assert [s.last_epoch for s in schedules] == [state["step"]] * 2 and len(policy_opt.state) > 0  # (both decay)
     return state
 
 
