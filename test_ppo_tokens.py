@@ -703,6 +703,11 @@ def test_critic_free_scoring_gives_each_token_its_completions_advantage_and_drop
     cfg, policy, reference, _, batch = tiny_setup(tokenizer, advantage="rloo", samples_per_prompt=4, kl_in="reward")
     score(batch, policy, reference, None, lambda b: scores, cfg)  # a KL in the reward: the flat group's rows differ
     assert (batch.advantages[4:] != 0).any() and torch.equal(batch.loss_mask, batch.response_mask)  # and stay in
+    cfg, policy, reference, _, batch = tiny_setup(tokenizer, advantage="rloo", samples_per_prompt=4,
+                                                  missing_eos_penalty=1.0)
+    batch.ended[4] = False  # the same raw scores, but one completion without EOS: the penalty is a signal
+    score(batch, policy, reference, None, lambda b: scores, cfg)
+    assert batch.row_stats["zero_std_groups"] == 0 and torch.equal(batch.loss_mask, batch.response_mask)
 
 
 def test_mismatch_correction_weights_fresh_tokens_too_and_logs_the_mismatch(tokenizer):
