@@ -2236,6 +2236,7 @@ def start_training(cfg: Config, run, output_dir: str, threaded, ctx: Dist) -> Tr
         t.first_accuracy = state["first_accuracy"]
         t.elapsed = state["time_s"]
         t.prompts_drawn = state.get("prompts_drawn", t.start * (cfg.batch_size // cfg.samples_per_prompt))
+        t.bad_steps = state.get("bad_steps", 0)  # (a signal's checkpoint may follow skipped updates)
         t.last_checkpoint = cfg.resume
         t.sample_generator.set_state(state["sampler_rng"])
         t.shuffle_generator.set_state(state["shuffle_rng"])
@@ -2398,7 +2399,7 @@ def save_training(t: Training, step: int, batch: Rollout):
                     os.fsync(f.fileno())
     state = checkpoint_state(t.actor, t.critic, t.optimizers, t.schedules, t.ctx, batch.sampler_rng,
                              t.shuffle_generator, step=step, first_accuracy=t.first_accuracy,
-                             time_s=time.time() - t.run_start, prompts_drawn=batch.prompts_drawn)
+                             time_s=time.time() - t.run_start, prompts_drawn=batch.prompts_drawn, bad_steps=t.bad_steps)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is disabled")  # (a single process saves alone)
         dcp.save(state, checkpoint_id=path)
@@ -2557,9 +2558,9 @@ def load_checkpoint(path: str, actor, critic, optimizers, schedules, ctx: Dist =
         raise SystemExit(f"--resume {path}: written by {world} ranks; resume with as many (torchrun "
                          f"--nproc_per_node), not {ctx.world}")
     device = device or next(actor.parameters()).device
-    drawn = {"prompts_drawn": 0} if f"rank{ctx.rank}.prompts_drawn" in saved else {}  # (older checkpoints: none)
+    newer = {k: 0 for k in ("prompts_drawn", "bad_steps") if f"rank{ctx.rank}.{k}" in saved}  # (older: without)
     state = checkpoint_state(actor, critic, optimizers, schedules, ctx, torch.Generator(device).get_state(),
-                             torch.Generator(), loading=True, step=0, first_accuracy=None, time_s=0.0, **drawn)
+                             torch.Generator(), loading=True, step=0, first_accuracy=None, time_s=0.0, **newer)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is disabled")  # (a single process loads alone)
         dcp.load(state, checkpoint_id=path)

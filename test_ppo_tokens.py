@@ -2710,6 +2710,20 @@ def test_sigterm_after_a_save_every_checkpoint_does_not_rewrite_it(tmp_path, mon
     assert {f: os.stat(f).st_mtime_ns for f in (tmp_path / "last/policy").iterdir()} == written
 
 
+def test_a_signal_after_a_skipped_update_keeps_the_count_of_skips_in_its_checkpoint(tmp_path, monkeypatch):
+    (tmp_path / "nan_term.py").write_text("import os, signal\ncalls = 0\ndef score(prompts, completions):\n"
+                                          "    global calls\n    calls += 1\n    if calls == 2:\n"
+                                          "        os.kill(os.getpid(), signal.SIGTERM)\n"
+                                          "        return [float('nan')] * len(completions)\n"
+                                          "    return [0.0] * len(completions)\n")
+    monkeypatch.chdir(tmp_path)
+    cfg = pt.parse_config([*[a if a != "count_ones:score" else "nan_term:score" for a in LOOP], "--output-dir", "run"])
+    os.makedirs(cfg.output_dir)
+    pt.train(cfg, pt.setup(cfg), cfg.output_dir)
+    (checkpoint,) = pt.checkpoints(tmp_path / "run")  # (iteration 2's update skipped, then the signal's checkpoint)
+    assert load_into_fresh_models(checkpoint)["bad_steps"] == 1  # a resume goes on counting toward --max-bad-steps
+
+
 def test_non_finite_rewards_skip_updates_then_stop_with_the_last_good_checkpoint_intact(tmp_path):
     (tmp_path / "nan_later.py").write_text("calls = 0\ndef score(prompts, completions):\n    global calls\n"
                                            "    calls += 1\n"
