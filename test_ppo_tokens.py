@@ -2571,7 +2571,9 @@ def test_packed_weight_sync_makes_sampler_and_trainer_weights_identical():
         for p in policy.parameters():
             p.add_(torch.randn_like(p))  # the trainer moves on
     assert sync.pull() == 0 and not torch.equal(sampler.lm_head.weight, policy.lm_head.weight)  # nothing published
+    held = sampler.lm_head.weight.clone()
     sync.publish(1)
+    assert torch.equal(sampler.lm_head.weight, held)  # a publish stages; the sampler's weights change at its pull
     with torch.no_grad():
         for p in policy.parameters():
             p.mul_(2)  # after publishing: the sampler must get version 1, not this
