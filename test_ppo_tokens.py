@@ -1905,6 +1905,22 @@ def test_staleness_one_keeps_every_token_within_bounds(tmp_path):
     assert all(r["staleness_max"] <= 2 for r in records) and max(r["staleness_max"] for r in records) == 2
 
 
+def test_the_sampler_thread_samples_with_the_newer_weights_it_pulls(tmp_path, monkeypatch):
+    """--max-staleness 1: the version a batch's tokens are tagged with is the one in the sampler's weights (a sampler
+    that tagged the newest version but kept version 0's weights would pass every staleness bound)."""
+    write_reward_module(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    finished = []
+    monkeypatch.setattr(pt, "finish_training", finished.append)
+    cfg = pt.parse_config([*LOOP, "--steps", "3", "--max-staleness", "1", "--output-dir", "run"])
+    os.makedirs(cfg.output_dir)
+    run = pt.setup(cfg)
+    initial = torch.cat([p.detach().reshape(-1) for p in run.policy.parameters()])  # (version 0, in the buffer's order)
+    pt.train(cfg, run, cfg.output_dir)
+    (t,) = finished
+    assert t.sync.sampler_version >= 1 and not torch.equal(t.sync.sampler_flat, initial)
+
+
 def load_into_fresh_models(checkpoint):  # what --resume does, into models built from the checkpoint's config
     cfg = pt.Config(**json.load(open(os.path.join(checkpoint, "config.json"))))
     tokenizer = pt.build_demo_tokenizer()
