@@ -1542,6 +1542,8 @@ def test_lora_trains_only_adapters_and_the_value_head_over_one_base_that_is_the_
     frozen = {n: p.clone() for m in (run.policy, run.critic) for n, p in m.named_parameters() if not p.requires_grad}
     trained = {n: p.clone() for m in (run.policy, run.critic) for n, p in m.named_parameters() if p.requires_grad}
     assert all("lora_" in n for n in trained if not n.startswith("head")) and "head.weight" in trained
+    critic_adapters = {p.data_ptr() for n, p in run.critic.named_parameters() if "lora_" in n and p.requires_grad}
+    assert critic_adapters and critic_adapters.isdisjoint(p.data_ptr() for p in run.policy.parameters())  # its own
     shared = {p.data_ptr() for p in run.reference.policy.parameters()}  # one base, three trees
     assert all(p.data_ptr() in shared for m in (run.policy, run.critic) for p in m.parameters() if not p.requires_grad)
     for out in ("run", "again"):
