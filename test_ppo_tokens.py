@@ -1175,6 +1175,13 @@ def test_non_finite_loss_skips_the_update_and_leaves_the_weights_alone(tokenizer
     assert pt.nonfinite(batch) == "advantages in rows [0, 1, 2, 3, 4, 5, 6, 7] of 8"
     batch.behav_logprobs[3, 1] = float("nan")  # a sampler whose logits went NaN (its draws are not checked)
     assert pt.nonfinite(batch) == "behav_logprobs in rows [3] of 8"
+    cfg, policy, reference, critic, batch = tiny_setup(tokenizer)  # a finite loss, a NaN gradient
+    score(batch, policy, reference, critic, constant_reward(1.0), cfg, orders[0])
+    policy.lm_head.weight.register_hook(lambda grad: torch.full_like(grad, float("nan")))
+    before = [p.detach().clone() for p in policy.parameters()]
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (policy, critic)]
+    assert pt.ppo_update(policy, critic, *opts, batch, cfg, orders)["nonfinite"].startswith("policy grad norm at")
+    assert all(torch.equal(p, b) for p, b in zip(policy.parameters(), before))
 
 
 # ---------------------------------------------------------------------------------------------------------------
