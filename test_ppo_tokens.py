@@ -2754,16 +2754,17 @@ def test_a_signal_after_a_skipped_update_keeps_the_count_of_skips_in_its_checkpo
 def test_non_finite_rewards_skip_updates_then_stop_with_the_last_good_checkpoint_intact(tmp_path):
     (tmp_path / "nan_later.py").write_text("calls = 0\ndef score(prompts, completions):\n    global calls\n"
                                            "    calls += 1\n"
-                                           "    return [float('nan') if calls > 2 else 0.5] * len(completions)\n")
+                                           "    bad = calls == 2 or calls > 3  # (a good update between: the count restarts)\n"
+                                           "    return [float('nan') if bad else 0.5] * len(completions)\n")
     args = [a if a != "count_ones:score" else "nan_later:score" for a in LOOP]
     proc = run_main([*args, "--steps", "6", "--save-every", "1", "--max-bad-steps", "2", "--output-dir",
                      str(tmp_path / "run")], tmp_path)
     assert proc.returncode == 1 and "stopping: 2 consecutive updates skipped for non-finite values" in proc.stderr
-    assert "the last good checkpoint is" in proc.stderr and "step-00000002" in proc.stderr.splitlines()[-1]
+    assert "the last good checkpoint is" in proc.stderr and "step-00000003" in proc.stderr.splitlines()[-1]
     assert "update skipped: non-finite raw_scores in rows [0, 1, 2, 3, 4, 5, 6, 7] ... of 16" in proc.stdout
     records = read_metrics(tmp_path / "run")
-    assert [r["step"] for r in records if "skipped_update" in r] == [3, 4]
-    assert [os.path.basename(c) for c in pt.checkpoints(tmp_path / "run")] == ["step-00000001", "step-00000002"]
+    assert [r["step"] for r in records if "skipped_update" in r] == [2, 4, 5]
+    assert [os.path.basename(c) for c in pt.checkpoints(tmp_path / "run")] == ["step-00000001", "step-00000003"]
     load_into_fresh_models(pt.checkpoints(tmp_path / "run")[-1])
 
 
