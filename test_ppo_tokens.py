@@ -2737,7 +2737,7 @@ def test_sigterm_after_a_save_every_checkpoint_does_not_rewrite_it(tmp_path, mon
     assert {f: os.stat(f).st_mtime_ns for f in (tmp_path / "last/policy").iterdir()} == written
 
 
-def test_a_signal_after_a_skipped_update_keeps_the_count_of_skips_in_its_checkpoint(tmp_path, monkeypatch):
+def test_a_signal_after_a_skipped_update_keeps_the_count_of_skips_in_its_checkpoint(tmp_path, monkeypatch, capsys):
     (tmp_path / "nan_term.py").write_text("import os, signal\ncalls = 0\ndef score(prompts, completions):\n"
                                           "    global calls\n    calls += 1\n    if calls == 2:\n"
                                           "        os.kill(os.getpid(), signal.SIGTERM)\n"
@@ -2749,6 +2749,11 @@ def test_a_signal_after_a_skipped_update_keeps_the_count_of_skips_in_its_checkpo
     pt.train(cfg, pt.setup(cfg), cfg.output_dir)
     (checkpoint,) = pt.checkpoints(tmp_path / "run")  # (iteration 2's update skipped, then the signal's checkpoint)
     assert load_into_fresh_models(checkpoint)["bad_steps"] == 1  # a resume goes on counting toward --max-bad-steps
+    sys.modules["nan_term"].calls = 1  # the resumed run's first batch: NaN again (and a signal)
+    cfg = pt.parse_config(["--resume", checkpoint])
+    capsys.readouterr()
+    pt.train(cfg, pt.setup(cfg), cfg.output_dir)
+    assert " | 2/3 in a row" in capsys.readouterr().out  # (not 1/3)
 
 
 def test_non_finite_rewards_skip_updates_then_stop_with_the_last_good_checkpoint_intact(tmp_path):
