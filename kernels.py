@@ -599,7 +599,7 @@ def use_packed_attention(backbone, bf16=False) -> str:
         noise = max(noise, torch.finfo(next(backbone.parameters()).dtype).eps)  # (a bf16 model: its own rounding)
         for mixed, out in zip((False, True), hidden[2:]):
             error = (out - exact).norm() / exact.norm()
-            if error > 4 * noise:
+            if not error <= 4 * noise:  # (NaN fails too)
                 raise ValueError(f"hidden states{' under --bf16' if mixed else ''} {error:.2g} from padded ones, over "
                                  f"4x the padded bf16 rounding {noise:.2g} (relative)")
     except (ValueError, RuntimeError) as e:
@@ -741,7 +741,7 @@ def share_prefill_checked(decoder, model, batch_size: int, plain, name: str):
         decoder.shared = shared
         for a, b, sub in zip(*states, _cache_tensors(shared), strict=True):  # sub: the n / group rows' own prefill
             noise = (b[::group] - sub).norm() if b.shape != sub.shape else 0.0  # (the write position: equal)
-            if (a - b).norm() > 2 * group**0.5 * noise:
+            if not (a - b).norm() <= 2 * group**0.5 * noise:  # (NaN fails too)
                 raise ValueError(f"its cache differs from a prefill of every row by {float((a - b).abs().max()):.3g}")
     except Exception as e:  # a cache layout repeat_cache_rows does not know
         decoder.shared = None
@@ -774,8 +774,8 @@ def agrees_with_plain_loop(decoder, model, batch_size: int, plain, group=1):
     # fp32/64: log-probs within 1e-3; bf16 (one rounding step can be 0.25): distributions within 0.02 total variation
     for a, b in zip(*outputs):
         a, b = torch.log_softmax(a.float(), -1), torch.log_softmax(b.float(), -1)
-        diff = (a - b).abs().max() if exact else 0.5 * (a.exp() - b.exp()).abs().sum(-1).max()
-        if diff > (1e-3 if exact else 0.02):
+        diff = torch.where(a == b, 0.0, a - b).abs().max() if exact else 0.5 * (a.exp() - b.exp()).abs().sum(-1).max()
+        if not diff <= (1e-3 if exact else 0.02):  # (a NaN fails too; a token both mask, -inf in each, does not)
             raise ValueError(f"its next-token distributions differ from the plain loop's by {float(diff):.3g}")
 
 

@@ -2155,8 +2155,8 @@ def test_the_shared_prefill_check_allows_the_unshared_prefills_own_row_count_noi
     hook = policy.register_forward_hook(row_count_noise, with_kwargs=True)
     kernels.share_prefill_checked(decoder, policy, 8, pt.PlainDecoder, "Llama")  # (strict: an error if it fell back)
     hook.remove()
-    assert decoder.shared is not None
-    repeat_cache_rows = kernels.repeat_cache_rows
+    shared, repeat_cache_rows = decoder.shared, kernels.repeat_cache_rows
+    assert shared is not None
 
     def misplaced(source, target, group):  # a copy one row off
         repeat_cache_rows(source, target, group)
@@ -2166,6 +2166,24 @@ def test_the_shared_prefill_check_allows_the_unshared_prefills_own_row_count_noi
     with pytest.raises(RuntimeError, match="shared prefill off for Llama \\(its cache differs"):
         kernels.share_prefill_checked(decoder, policy, 8, pt.PlainDecoder, "Llama")
     assert decoder.shared is None
+    decoder.shared = shared
+
+    def nan(source, target, group):  # a copy that leaves a NaN (a comparison with NaN is False: it passed)
+        repeat_cache_rows(source, target, group)
+        target.layers[0].keys[1, 0, 0, 0] = float("nan")
+    monkeypatch.setattr(kernels, "repeat_cache_rows", nan)
+    with pytest.raises(RuntimeError, match="shared prefill off for Llama \\(its cache differs .* by nan"):
+        kernels.share_prefill_checked(decoder, policy, 8, pt.PlainDecoder, "Llama")
+
+    monkeypatch.undo()  # (agrees_with_plain_loop itself)
+
+    class NaNStep(pt.PlainDecoder):  # and a decoder whose logits hold a NaN
+        def step(self, token):
+            logits = super().step(token).clone()
+            logits[1, 7] = float("nan")
+            return logits
+    with pytest.raises(ValueError, match="differ from the plain loop's by nan"):
+        kernels.agrees_with_plain_loop(NaNStep(policy), policy, 8, pt.PlainDecoder)
 
 
 @slow
