@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import functools
 import io
+import itertools
 import json
 import math
 import re
@@ -963,6 +964,21 @@ def test_critic_free_update_trains_the_policy_alone_with_the_kl_in_its_loss(toke
     adam = torch.optim.AdamW(policy.parameters(), lr=1.0)
     pt.ppo_update(policy, None, adam, None, batch, cfg, [torch.arange(8)])
     assert batch.row_stats["zero_std_groups"] == 2 and not adam.state  # AdamW never stepped
+
+
+def test_prompts_come_in_fresh_random_epochs_and_a_grouped_batch_draws_one_per_group(tmp_path, monkeypatch):
+    first, again = list(itertools.islice(pt.prompt_order(5, seed=3), 15)), pt.prompt_order(5, seed=3, start=7)
+    assert all(sorted(first[i:i + 5]) == list(range(5)) for i in (0, 5, 10)) and first[:5] != first[5:10]
+    assert list(itertools.islice(again, 8)) == first[7:]  # (a resume skips what was drawn)
+    write_reward_module(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    finished = []
+    monkeypatch.setattr(pt, "finish_training", finished.append)
+    cfg = pt.parse_config([*LOOP, "--steps", "2", "--advantage", "rloo", "--samples-per-prompt", "4",
+                           "--output-dir", "run"])
+    os.makedirs(cfg.output_dir)
+    pt.train(cfg, pt.setup(cfg), cfg.output_dir)
+    assert finished[0].prompts_drawn == 2 * 16 // 4  # (16 completions a batch: 4 prompts, 4 completions each)
 
 
 def test_dynamic_sampling_fills_the_batch_with_groups_that_have_signal_within_its_bound(tokenizer):
