@@ -1946,6 +1946,36 @@ def test_the_sampler_thread_samples_with_the_newer_weights_it_pulls(tmp_path, mo
     assert t.sync.sampler_version >= 1 and not torch.equal(t.sync.sampler_flat, initial)
 
 
+def test_the_logged_reward_kl_and_explained_variance_read_the_right_rows_and_tokens(tmp_path, monkeypatch):
+    """metrics.jsonl: reward_mean is the reward's own score (before the missing-EOS penalty), kl the per-sequence KL
+    of the rows in the loss (not the dropped flat groups'), explained_variance over the real tokens (not the pads)."""
+    write_reward_module(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    seen, log_iteration = [], pt.log_iteration
+    monkeypatch.setattr(pt, "log_iteration", lambda t, step, batch, kl, *args: (
+        seen.append((batch, kl)), log_iteration(t, step, batch, kl, *args)))
+    (tmp_path / "flat_first.py").write_text("def score(prompts, completions):  # the first group: always flat\n"
+                                            "    return [0.0] * 4 + [c.count('1') / 4 for c in completions[4:]]\n")
+    for name, flags in (("gae", ["--missing-eos-penalty", "1"]), ("rloo", ["--advantage", "rloo",
+                                                                          "--samples-per-prompt", "4"])):
+        seen.clear()
+        cfg = pt.parse_config([*LOOP, "--steps", "2", *flags, "--output-dir", name] +
+                              ["--reward", "flat_first:score"] * (name == "rloo"))
+        os.makedirs(name)
+        pt.train(cfg, pt.setup(cfg), name)
+        records = [r for r in read_metrics(tmp_path / name) if r["step"] > 0]
+        for record, (batch, kl) in zip(records, seen, strict=True):
+            real, rows = batch.response_mask.bool(), batch.loss_mask.any(1)
+            assert record["reward_mean"] == pytest.approx(float(batch.raw_scores.mean()))
+            assert record["kl"] == pytest.approx(float(kl.sum(-1)[rows].mean()))
+            if name == "gae":
+                r, v = batch.returns[real], batch.values[real]
+                assert record["explained_variance"] == pytest.approx(float(1 - (r - v).var() / r.var()))
+        cases = [(b.raw_scores != b.scores).any() and not b.response_mask.all() for b, _ in seen] if name == "gae" \
+            else [not b.loss_mask.any(1).all() and kl.abs().sum() > 0 for b, kl in seen]
+        assert any(cases)  # (the test can fail: penalised rows and pads; rows out of the loss)
+
+
 def load_into_fresh_models(checkpoint):  # what --resume does, into models built from the checkpoint's config
     cfg = pt.Config(**json.load(open(os.path.join(checkpoint, "config.json"))))
     tokenizer = pt.build_demo_tokenizer()
@@ -2793,7 +2823,7 @@ def test_a_signal_after_a_skipped_update_keeps_the_count_of_skips_in_its_checkpo
 def test_non_finite_rewards_skip_updates_then_stop_with_the_last_good_checkpoint_intact(tmp_path):
     (tmp_path / "nan_later.py").write_text("calls = 0\ndef score(prompts, completions):\n    global calls\n"
                                            "    calls += 1\n"
-                                           "    bad = calls == 2 or calls > 3  # (a good update between: the count restarts)\n"
+                                           "    bad = calls == 2 or calls > 3  # (a good update between: a new count)\n"
                                            "    return [float('nan') if bad else 0.5] * len(completions)\n")
     args = [a if a != "count_ones:score" else "nan_later:score" for a in LOOP]
     proc = run_main([*args, "--steps", "6", "--save-every", "1", "--max-bad-steps", "2", "--output-dir",
@@ -2837,6 +2867,9 @@ def digest_script(cwd):
         "        print('publish:', comm.get_total_counts(), 'collective, the trainer\\'s weights:',\n"
         "              torch.equal(full.to(t.sync.staging), t.sync.staging), flush=True)\n"
         "    print('trained weights on', next(t.actor.parameters()).device.type, flush=True)\n"
+        "    from torch.distributed.tensor import DTensor  # (resharded after each forward: 1 / world on each rank)\n"
+        "    shards = all(isinstance(p, DTensor) for p in t.run.reference.parameters())\n"
+        "    print('reference held as shards:', shards, flush=True)\n"
         "    finish_training(t)\n"
         "ppo_tokens.finish_training = digest_then_finish\nppo_tokens.main(sys.argv[1:])\n")
     return str(cwd / "train_and_digest.py")
@@ -3059,6 +3092,7 @@ def test_torchrun_two_ranks_ddp_and_fsdp2_train_resume_and_stay_identical(tmp_pa
     fsdp = digests(out)
     assert "publish: 1 collective, the trainer's weights: True" in out
     assert "reference sharded over 2 ranks (FSDP2)" in out  # (its log-probs: the KL in the reward of DDP's run)
+    assert "reference held as shards: True" in out
     # FSDP2 holds one copy of each weight (its digest is of a gather, equal on every rank by construction): its
     # update must be DDP's, up to the order of the gradient reductions
     ddp_policy, fsdp_policy = (AutoModelForCausalLM.from_pretrained(tmp_path / d / "policy") for d in ("ddp", "fsdp"))
