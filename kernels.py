@@ -775,7 +775,7 @@ def agrees_with_plain_loop(decoder, model, batch_size: int, plain, group=1):
     for a, b in zip(*outputs):
         a, b = torch.log_softmax(a.float(), -1), torch.log_softmax(b.float(), -1)
         diff = torch.where(a == b, 0.0, a - b).abs().max() if exact else 0.5 * (a.exp() - b.exp()).abs().sum(-1).max()
-        if not diff <= (1e-3 if exact else 0.02):  # (a NaN fails too; a token both mask, -inf in each, does not)
+        if not diff <= (1e-3 if exact else 0.02):  # (a NaN fails; a token both paths mask, -inf in each, agrees)
             raise ValueError(f"its next-token distributions differ from the plain loop's by {float(diff):.3g}")
 
 

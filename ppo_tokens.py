@@ -103,7 +103,7 @@ class Config:
     loss_agg: str = arg("auto", "'token-mean', 'seq-mean-token-mean' or 'seq-mean-token-sum-norm'; auto: the "
                                 "--policy-loss's (gspo: seq-mean-token-mean, else token-mean)")
     drop_flat_groups: bool = arg(True, "grpo, rloo: groups that all scored the same (advantages 0) leave the loss "
-                                       "(with --kl-in loss: a KL in the reward gives them advantages)")
+                                       "(not with --kl-in reward: its KL gives them advantages)")
     mismatch_correction: bool = arg(False, "decoupled-PPO weights on fresh tokens too (sampler drift)")
     gamma: float = arg(1.0, "GAE discount")
     lam: float = arg(0.95, "GAE lambda")
