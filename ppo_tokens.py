@@ -163,7 +163,7 @@ class Config:
 
 
 # Presets: a run's defaults other than Config's, applied before the user's flags (a flag given is never replaced);
-# presets() chooses them. The demo's values were measured on it (shared/DEMO-CALIBRATION.md, README rows 1-3, 21).
+# presets() chooses them. The demo's values were measured on it (README's results, rows 1-3 and 21).
 MODEL = {"task": "",  # the model's own prompts and reward (--prompts, --reward / --reward-model / --env)
          "steps": 1000,
          "batch_size": 64,  # with groups: 64 / --samples-per-prompt prompts
@@ -2931,7 +2931,7 @@ def build_demo_tokenizer(hints=False):  # the addition demo's: one token per cha
                                    unk_token="<unk>", padding_side="left")
 
 
-def build_demo_policy(tokenizer, seed: int, hidden=128, layers=3):  # ~0.6M parameters: shared/DEMO-CALIBRATION.md
+def build_demo_policy(tokenizer, seed: int, hidden=128, layers=3):  # ~0.6M parameters (README: the demo)
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,

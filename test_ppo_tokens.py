@@ -2479,8 +2479,8 @@ def test_a_tool_observation_goes_through_the_chat_template_as_context():
     assert pt.observation_ids(tokenizer, "42", "tool", True, eot) == [
         tokenizer.eos_token_id, *expected]  # <|end|>, then as after <|end|>
     readme = open(os.path.join(HERE, "README.md"), encoding="utf-8").read()  # the README's tool, as written there
-    namespace = {"math": math}
-    exec(readme[readme.index("class SqrtTool"):].split("```")[0], namespace)
+    namespace = {}  # (the example as written: its own imports)
+    exec(readme[readme.index("import math\n\nclass SqrtTool"):].split("```")[0], namespace)
     tool = namespace["SqrtTool"]()
     assert tool.reset("sqrt(x) to 3 decimals? x = 17") == ("sqrt(x) to 3 decimals? x = 17", {})
     assert pt.env_step(tool, "sqrt 2", 0.0, {}) == ("1.414214", 0.0, False, "tool", None)
