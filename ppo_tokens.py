@@ -2897,6 +2897,9 @@ def addition_task(cfg: Config) -> Task:
     pairs = [divmod(i, 100) for i in torch.randperm(10_000, generator=torch.Generator().manual_seed(1234)).tolist()]
     pairs = [(a, b) for a, b in pairs if a + b < 90] if cfg.env in ENVIRONMENTS else pairs
     train_pairs, held_out = pairs[cfg.eval_size:], pairs[:cfg.eval_size]
+    if len(train_pairs) < 128:  # (a warm-up step's rows)
+        raise SystemExit(f"--eval-size {cfg.eval_size} leaves {len(train_pairs)} of this demo's {len(pairs)} sums to "
+                         f"train on; at most {len(pairs) - 128}")
     env = load_env(cfg.env) if cfg.env else None  # (the multi-turn demo evaluates whole episodes)
     return Task(prompts=[addition_prompt(a, b) for a, b in train_pairs], reward=addition_reward, model=demo_model,
                 warmup=functools.partial(demo_warmup, train_pairs=train_pairs),
@@ -3007,7 +3010,8 @@ def demo_warmup(policy, tokenizer, cfg: Config, train_pairs):
     at an accuracy threshold moved with rounding, as does the loss's drop (CPU: 300-500 steps, H200: 500+). Cached."""
     retry = cfg.env in ENVIRONMENTS  # the multi-turn demo: its second half also shows the game's format
     key = json.dumps([policy.config.to_json_string(), sorted(tokenizer.get_vocab().items()), cfg.seed,
-                      cfg.demo_warmup_lr, cfg.demo_warmup_steps, inspect.getsource(demo_warmup),  # (an edit: anew)
+                      cfg.demo_warmup_lr, cfg.demo_warmup_steps, train_pairs,  # (another --eval-size: other pairs)
+                      *map(inspect.getsource, (demo_warmup, addition_prompt, retry_hint, neighbour)),  # (an edit: anew)
                       *([cfg.env] if retry else [])])
     name = f"demo-warmup-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt"
     path = os.path.join(os.path.expanduser(cfg.demo_cache), name)

@@ -1277,19 +1277,26 @@ def test_demo_learns_a_little_in_a_few_iterations(tmp_path):
 
 
 def test_an_edited_warm_up_is_not_loaded_from_the_cache_of_the_old_one(tmp_path, capsys, monkeypatch):
-    """The warm-up's cache key holds demo_warmup's source: a researcher's edit warms up anew, never loads stale
-    weights."""
+    """The warm-up's cache key holds its training pairs (another --eval-size holds out others: a policy warmed up on
+    this run's held-out pairs must not load) and the source of what it runs: a researcher's edit warms up anew."""
     cfg = pt.Config(device="cpu", demo_warmup_steps=2, demo_cache=str(tmp_path))
     tokenizer, pairs = pt.build_demo_tokenizer(), [(a, b) for a in range(20) for b in range(20)]
 
-    def warm_up():
+    def warm_up(pairs=pairs):
         pt.demo_warmup(pt.build_demo_policy(tokenizer, 1, 32, 1), tokenizer, cfg, pairs)
         return capsys.readouterr().out
 
     assert "loaded" not in warm_up() and "loaded" in warm_up()
-    source = pt.inspect.getsource(pt.demo_warmup)
-    monkeypatch.setattr(pt.inspect, "getsource", lambda f: source + "# an edit\n")
-    assert "loaded" not in warm_up() and "loaded" in warm_up() and len(os.listdir(tmp_path)) == 2
+    assert "loaded" not in warm_up(pairs[10:]) and "loaded" in warm_up(pairs[10:])
+    getsource = pt.inspect.getsource
+    monkeypatch.setattr(pt.inspect, "getsource", lambda f: getsource(f) + ("# an edit\n" if f is pt.retry_hint else ""))
+    assert "loaded" not in warm_up() and "loaded" in warm_up() and len(os.listdir(tmp_path)) == 3
+
+
+def test_an_eval_size_that_leaves_the_demo_too_few_sums_to_train_on_is_refused():
+    message = "--eval-size 4000 leaves 95 of this demo's 4095 sums to train on; at most 3967"  # (sums below 90)
+    with pytest.raises(SystemExit, match=message):
+        pt.addition_task(pt.make_config(env="demo", eval_size=4000))
 
 
 def test_demo_entry_point_with_a_reward_model_directory(tmp_path, tokenizer):
