@@ -102,8 +102,8 @@ class Config:
     scale_rewards: str = arg("group", "grpo: divide by the std of the 'group', the 'batch', or 'none' (Dr. GRPO)")
     loss_agg: str = arg("auto", "'token-mean', 'seq-mean-token-mean' or 'seq-mean-token-sum-norm'; auto: the "
                                 "--policy-loss's (gspo: seq-mean-token-mean, else token-mean)")
-    drop_flat_groups: bool = arg(True, "grpo, rloo: groups that all scored the same (advantages 0) leave the loss "
-                                       "(not with --kl-in reward: its KL gives them advantages)")
+    drop_flat_groups: bool = arg(True, "grpo, rloo: groups that all scored the same leave the loss (advantages 0; "
+                                       "--kl-in reward: the KL's alone)")
     mismatch_correction: bool = arg(False, "decoupled-PPO weights on fresh tokens too (sampler drift)")
     gamma: float = arg(1.0, "GAE discount")
     lam: float = arg(0.95, "GAE lambda")
@@ -650,15 +650,14 @@ def choose_loss_tokens(batch: Rollout, cfg: Config):
     """THE one place that decides which rows and tokens enter the loss, once the scores are in: every forward, the
     denominators, the update and the logged statistics read what it sets.
       loss_mask (B, T): the policy's tokens, less the flat groups' (--drop-flat-groups: all scored the same, so their
-        group advantages are 0 and they would only dilute the token mean; DAPO. Not with a KL in the reward, which
-        the group's baseline does not cancel: those rows still learn the KL's pull);
+        group advantages are 0 and they would only dilute the token mean; DAPO. With a KL in the reward they differ
+        by the KL alone, which GRPO's group std would scale up to full-size advantages: they leave all the same);
       forward_rows (B,): the rows that need forwards: all of them with a critic (GAE needs every row's values), a KL
         in the reward (it enters the baselines) or torchrun micro-batches (counts must agree); else the loss's."""
     n = cfg.samples_per_prompt
     flat = flat_groups(batch.scores, n) if n > 1 else torch.zeros_like(batch.ended)  # (B,) groups without signal
     # (only a group estimator's: with a critic or the batch as the baseline a flat group still has advantages)
-    drop = cfg.drop_flat_groups and ADVANTAGES[cfg.advantage].groups and (cfg.kl_in == "loss" or not cfg.kl_coef)
-    kept = ~flat if drop else torch.ones_like(flat)
+    kept = ~flat if cfg.drop_flat_groups and ADVANTAGES[cfg.advantage].groups else torch.ones_like(flat)
     batch.loss_mask = batch.response_mask * kept[:, None]  # (B, T)
     lockstep = torch.distributed.is_initialized() and (cfg.micro_batch_size or cfg.micro_batch_tokens)
     every_row = ADVANTAGES[cfg.advantage].critic or cfg.kl_in == "reward" or lockstep
