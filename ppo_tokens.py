@@ -2728,7 +2728,8 @@ CHOICES = {"kl_estimator": ("k1", "k2", "k3"), "kl_in": ("reward", "loss"),
 LOWER_BOUNDS = {"steps": 1, "batch_size": 1, "response_length": 1, "ppo_epochs": 1, "minibatches": 1, "eval_every": 1,
                 "samples_per_prompt": 1, "keep_checkpoints": 1, "max_bad_steps": 1, "is_cap": 1, "max_staleness": 0,
                 "clip_range_high": 0, "save_every": 0, "micro_batch_tokens": 0, "max_turns": 1, "env_latency": 0,
-                "dynamic_sampling": 0, "lora_rank": 0, "max_prompt_length": 1, "max_grad_norm": 0}
+                "dynamic_sampling": 0, "lora_rank": 0, "max_prompt_length": 1, "max_grad_norm": 0,
+                "micro_batch_size": 0, "kl_coef": 0, "weight_decay": 0, "value_clip_range": 0}
 
 
 def parse_config(argv=None) -> Config:
@@ -2775,6 +2776,9 @@ def parse_config(argv=None) -> Config:
                                  f"the checkpoint's {saved[k]}" for k in changed) + "; drop the flag or start a new "
                                  "run")
             cfg.resume, cfg.output_dir = checkpoint, os.path.dirname(os.path.dirname(checkpoint))
+            if given.get("output_dir") and os.path.abspath(given["output_dir"]) != cfg.output_dir:
+                raise ValueError(f"--resume continues its run in {cfg.output_dir}, not --output-dir "
+                                 f"{given['output_dir']}; for a new run from its weights: --model {checkpoint}/policy")
         else:
             cfg = make_config(**given)
             for name, values in presets(given):  # what the run takes from a preset
@@ -2805,6 +2809,9 @@ def check_config(cfg: Config):
                f"{list(words)[-1]} (got {getattr(cfg, n)!r})") for n, words in CHOICES.items()]
     checks += [(getattr(cfg, n) >= low, f"--{n.replace('_', '-')} must be >= {low} (got {getattr(cfg, n)})")
                for n, low in LOWER_BOUNDS.items()]
+    checks += [(getattr(cfg, n) > 0, f"--{n.replace('_', '-')} must be > 0 (got {getattr(cfg, n)})")
+               for n in ("lr", "critic_lr", "clip_range", "adam_eps")]
+    checks += [(0 <= getattr(cfg, n) <= 1, f"--{n} must be in 0..1 (got {getattr(cfg, n)})") for n in ("gamma", "lam")]
     checks += [(cfg.temperature > 0, f"--temperature must be > 0 (got {cfg.temperature}): PPO's ratio needs a "
                 "sampling distribution; for near-greedy use e.g. 0.05"),
                (not ADVANTAGES.get(cfg.advantage, ADVANTAGES["gae"]).groups or cfg.samples_per_prompt >= 2,

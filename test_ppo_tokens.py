@@ -2788,6 +2788,9 @@ def test_sigterm_after_a_save_every_checkpoint_does_not_rewrite_it(tmp_path, mon
     assert len(history) == 2 and "stopped by SIGTERM after iteration 2/4" in out
     assert [l.split("/")[-1] for l in out.splitlines() if l.startswith("checkpoint: ")] == ["step-00000001",
                                                                                            "step-00000002"]  # once each
+    with pytest.raises(SystemExit):  # a resume continues its run where it is, not in another directory
+        pt.parse_config(["--resume", str(pt.checkpoints(tmp_path / "run")[-1]), "--output-dir", str(tmp_path / "b")])
+    assert f"--resume continues its run in {tmp_path / 'run'}, not --output-dir" in capsys.readouterr().err
     sys.modules["term"].calls = 0  # a signal in the last iteration: the run ends as it would have
     cfg = pt.parse_config([*args, "--steps", "2", "--save-every", "2", "--output-dir", str(tmp_path / "last")])
     os.makedirs(cfg.output_dir)
@@ -3190,6 +3193,9 @@ def test_config_errors_name_the_flags(capsys):
              (["--scale-rewards", "std"], "--scale-rewards must be group, batch or none"),
              (["--loss-agg", "seq-mean"], "--loss-agg must be token-mean, seq-mean-token-mean or"),
              (["--clip-range-high", "-0.1"], "--clip-range-high must be >= 0"),
+             (["--micro-batch-size", "-1"], "--micro-batch-size must be >= 0"),
+             (["--clip-range", "0"], "--clip-range must be > 0"), (["--lr", "0"], "--lr must be > 0 (got 0.0)"),
+             (["--gamma", "1.5"], "--gamma must be in 0..1"), (["--kl-coef", "-0.1"], "--kl-coef must be >= 0"),
              (["--max-prompt-length", "0"], "--max-prompt-length must be >= 1"),
              (["--max-grad-norm", "-1"], "--max-grad-norm must be >= 0"),
              (["--policy-loss", "dapo"], "--policy-loss must be ppo, gspo or cispo"),
