@@ -1859,9 +1859,18 @@ def run_episodes(decoder, envs, texts, seeds, tokenizer, cfg: Config, pool=None,
         for env in envs:  # subprocess: its resources go now), each even if another's close() raised
             closing.callback(getattr(env, "close", lambda: None))
         try:
-            first = list(mapper(lambda e, p, s: e.reset(p, seed=s)[0], envs, texts, seeds))
-            if not all(isinstance(x, str) for x in first):
-                raise TypeError("it must return (the first observation, a str; info)")
+            def reset(env, prompt, seed):  # its error returned: every reset ends before any close
+                try:
+                    return env.reset(prompt, seed=seed)
+                except Exception as e:
+                    return e
+            first = list(mapper(reset, envs, texts, seeds))
+            for x in first:
+                if isinstance(x, Exception):
+                    raise x
+                if not (isinstance(x, tuple) and isinstance(x[0], str)):  # (a bare str: its first character)
+                    raise TypeError("it must return (the first observation, a str; info)")
+            first = [x[0] for x in first]
         except Exception as e:  # (no episode has begun: nothing to keep)
             raise SystemExit(f"--env: reset() raised {type(e).__name__}: {e}")
         prompts = format_prompts(tokenizer, first, cfg.chat_template, cfg.max_prompt_length)

@@ -2621,7 +2621,8 @@ def test_bad_environments_get_one_line_and_lose_nothing(tmp_path, capsys):
         "class Seeds(Flaky):  # records each episode's prompt and seed\n"
         "    def reset(self, prompt, seed=None):\n"
         "        open('seeds.txt', 'a').write(f'{prompt} {seed}\\n')\n        return super().reset(prompt, seed)\n"
-        "class NoReset(Flaky):\n    def reset(self, prompt, seed=None):\n        return None\n"
+        "class NoReset(Flaky):  # a bare str, not (str, info): its first character would have been the prompt\n"
+        "    def reset(self, prompt, seed=None):\n        return prompt\n"
         "def broken():\n    raise RuntimeError('no sandbox')\n" % HERE)
     run = [a for a in ENV_RUN if a != "demo"][1:] + ["--demo-cache", tmp_path / "cache"]
     out = run_script(["--env", "envs:Flaky", *run, "--output-dir", tmp_path / "flaky"], tmp_path)
@@ -2641,7 +2642,8 @@ def test_bad_environments_get_one_line_and_lose_nothing(tmp_path, capsys):
     assert out.count("update skipped: non-finite token_rewards in rows [0, 1, 2") == 2
     for env, message in (("nowhere:make", "--env 'nowhere:make': cannot load it (ModuleNotFoundError"),
                          ("envs:broken", "--env 'envs:broken': its factory raised RuntimeError: no sandbox"),
-                         ("envs:NoReset", "--env: reset() raised TypeError: 'NoneType' object is not subscriptable")):
+                         ("envs:NoReset", "--env: reset() raised TypeError: it must return (the first observation, "
+                                          "a str; info)")):
         proc = run_main(["--env", env, *run, "--output-dir", tmp_path / "x"], tmp_path)
         assert proc.returncode == 1 and message in proc.stderr, proc.stderr
     status, message = exit_of(["--env", "demo", "--reward", "m:f"], capsys)
