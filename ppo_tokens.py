@@ -2448,9 +2448,12 @@ def finish_training(t: Training):  # the end of a run: the policy as an HF model
         shutil.rmtree(staging, ignore_errors=True)  # (a crashed run's)
     save_policy(t, os.path.join(staging, "policy"))
     if t.ctx.rank == 0:
-        for name in os.listdir(staging):  # policy/ (--lora-rank: and policy_adapter/)
-            shutil.rmtree(os.path.join(t.output_dir, name), ignore_errors=True)
-            os.replace(os.path.join(staging, name), os.path.join(t.output_dir, name))
+        for name in os.listdir(staging):  # policy/ (--lora-rank: and policy_adapter/): the old one aside, then gone
+            final = os.path.join(t.output_dir, name)
+            if os.path.exists(final):
+                os.replace(final, final + ".old")
+            os.replace(os.path.join(staging, name), final)
+            shutil.rmtree(final + ".old", ignore_errors=True)
         os.rmdir(staging)
     history = t.history
     tenth = max(1, len(history) // 10)
@@ -2912,9 +2915,9 @@ def addition_task(cfg: Config) -> Task:
     pairs = [divmod(i, 100) for i in torch.randperm(10_000, generator=torch.Generator().manual_seed(1234)).tolist()]
     pairs = [(a, b) for a, b in pairs if a + b < 90] if cfg.env in ENVIRONMENTS else pairs
     train_pairs, held_out = pairs[cfg.eval_size:], pairs[:cfg.eval_size]
-    if len(train_pairs) < 128:  # (a warm-up step's rows)
+    if len(train_pairs) < 256:  # (the warm-up's accuracy check samples 256)
         raise SystemExit(f"--eval-size {cfg.eval_size} leaves {len(train_pairs)} of this demo's {len(pairs)} sums to "
-                         f"train on; at most {len(pairs) - 128}")
+                         f"train on; at most {len(pairs) - 256}")
     env = load_env(cfg.env) if cfg.env else None  # (the multi-turn demo evaluates whole episodes)
     return Task(prompts=[addition_prompt(a, b) for a, b in train_pairs], reward=addition_reward, model=demo_model,
                 warmup=functools.partial(demo_warmup, train_pairs=train_pairs),
