@@ -1862,13 +1862,13 @@ def run_episodes(decoder, envs, texts, seeds, tokenizer, cfg: Config, pool=None,
             def reset(env, prompt, seed):  # its error returned: every reset ends before any close
                 try:
                     return env.reset(prompt, seed=seed)
-                except Exception as e:
+                except BaseException as e:  # (sys.exit too: the others' resets still end first)
                     return e
             first = list(mapper(reset, envs, texts, seeds))
             for x in first:
-                if isinstance(x, Exception):
+                if isinstance(x, BaseException):
                     raise x
-                if not (isinstance(x, tuple) and isinstance(x[0], str)):  # (a bare str: its first character)
+                if not (isinstance(x, (tuple, list)) and len(x) == 2 and isinstance(x[0], str)):  # (not a bare str)
                     raise TypeError("it must return (the first observation, a str; info)")
             first = [x[0] for x in first]
         except Exception as e:  # (no episode has begun: nothing to keep)
@@ -2450,6 +2450,7 @@ def finish_training(t: Training):  # the end of a run: the policy as an HF model
     if t.ctx.rank == 0:
         for name in os.listdir(staging):  # policy/ (--lora-rank: and policy_adapter/): the old one aside, then gone
             final = os.path.join(t.output_dir, name)
+            shutil.rmtree(final + ".old", ignore_errors=True)  # (a crash's, between the renames)
             if os.path.exists(final):
                 os.replace(final, final + ".old")
             os.replace(os.path.join(staging, name), final)
@@ -2788,7 +2789,7 @@ def parse_config(argv=None) -> Config:
                                  f"the checkpoint's {saved[k]}" for k in changed) + "; drop the flag or start a new "
                                  "run")
             cfg.resume, cfg.output_dir = checkpoint, os.path.dirname(os.path.dirname(checkpoint))
-            if given.get("output_dir") and os.path.abspath(given["output_dir"]) != cfg.output_dir:
+            if given.get("output_dir") and os.path.realpath(given["output_dir"]) != os.path.realpath(cfg.output_dir):
                 raise ValueError(f"--resume continues its run in {cfg.output_dir}, not --output-dir "
                                  f"{given['output_dir']}; for a new run from its weights: --model {checkpoint}/policy")
         else:

@@ -1975,7 +1975,7 @@ def test_the_logged_reward_kl_and_explained_variance_read_the_right_rows_and_tok
         for record, (batch, kl) in zip(records, seen, strict=True):
             real, rows = batch.response_mask.bool(), batch.loss_mask.any(1)
             assert record["reward_mean"] == pytest.approx(float(batch.raw_scores.mean()))
-            assert record["kl"] == pytest.approx(float(kl.double().sum(-1)[rows].mean()), rel=1e-5, abs=1e-9)
+            assert record["kl"] == pytest.approx(float(kl.double().sum(-1)[rows].mean()), rel=1e-5, abs=1e-6)
             if name == "gae":
                 r, v = batch.returns[real], batch.values[real]
                 assert record["explained_variance"] == pytest.approx(float(1 - (r - v).var() / r.var()))
@@ -2812,6 +2812,11 @@ def test_sigterm_after_a_save_every_checkpoint_does_not_rewrite_it(tmp_path, mon
     with pytest.raises(OSError, match="disk full"):
         pt.train(cfg, pt.setup(cfg), cfg.output_dir)  # (an empty loop: straight to the final save)
     assert {f: os.stat(f).st_mtime_ns for f in (tmp_path / "last/policy").iterdir()} == written
+    monkeypatch.undo()  # a crash between the renames left the old policy/ aside: the next save goes on
+    (tmp_path / "last/policy.old").mkdir()
+    (tmp_path / "last/policy.old/model.safetensors").write_text("stale")
+    pt.train(cfg, pt.setup(cfg), cfg.output_dir)
+    assert sorted(p.name for p in (tmp_path / "last").iterdir() if p.name.startswith("policy")) == ["policy"]
 
 
 def test_a_signal_after_a_skipped_update_keeps_the_count_of_skips_in_its_checkpoint(tmp_path, monkeypatch, capsys):
