@@ -2013,14 +2013,18 @@ def test_sampler_errors_and_sigterm_stop_the_run_without_a_hung_thread(tmp_path,
     proc = subprocess.Popen([sys.executable, SCRIPT, *LOOP, "--steps", "100000", "--max-staleness", "1",
                              "--output-dir", str(tmp_path / "run2")], cwd=tmp_path, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    seen = False
-    for line in proc.stdout:
-        if line.startswith("it    2/"):
-            seen = True
-            break
-    assert seen, "the run did not reach iteration 2"
-    proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=60)
+    try:  # (whatever fails here, the child does not outlive the test: it would hold a core for the rest of the suite)
+        seen = False
+        for line in proc.stdout:
+            if line.startswith("it    2/"):
+                seen = True
+                break
+        assert seen, "the run did not reach iteration 2"
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        proc.wait()
     # stopped promptly, with a checkpoint: after the iteration the signal came in (at most one more "it" line), and the
     # sampler thread joined (not left behind by close()'s timeout); counted in iterations, not in seconds
     after = out[out.index("SIGTERM: finishing this iteration"):]
