@@ -1640,19 +1640,26 @@ def test_lora_publishes_peft_merge_in_the_samplers_order(tokenizer, family):
     assert any(not torch.equal(w, p) for w, p in zip(merged, reference.parameters()))  # (the adapters count)
 
 
+def tied_lora_bf16(tmp_path, tokenizer, monkeypatch, *flags):
+    """The config of a --lora-rank --bf16 run over a tied-embedding model (as Qwen2.5-0.5B), in tmp_path with its
+    prompts and reward module."""
+    write_reward_module(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    tiny_llama(len(tokenizer), dtype=torch.float32, tie_word_embeddings=True).save_pretrained(tmp_path / "tied")
+    tokenizer.save_pretrained(tmp_path / "tied")
+    (tmp_path / "p.jsonl").write_text("".join(f'{{"prompt": "{a}+{a}="}}\n' for a in range(16)))
+    return pt.parse_config([*TINY, "--model", str(tmp_path / "tied"), "--prompts", "p.jsonl", "--no-chat-template",
+                            "--reward", "count_ones:score", "--response-length", "4", "--bf16", "--lora-rank", "4",
+                            *flags])
+
+
 @pytest.mark.skipif(not pt.native_bf16(torch.device("cpu")), reason="this CPU has no bf16 matmuls (AVX512-BF16, AMX)")
 @pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")  # (peft)
 def test_lora_bf16_over_a_tied_embedding_trains_and_its_sampler_is_one_bf16_buffer(tmp_path, tokenizer, monkeypatch):
     """--lora-rank --bf16 over a model whose output head is its embedding (as Qwen2.5-0.5B): the fp32 log-prob head
     makes the embedding fp32 too, so the frozen reference scores under autocast as the trainer does (without, its bf16
     layers met fp32 embeddings), and the sampler is one bf16 buffer (it was fp32 whole: twice the memory line)."""
-    write_reward_module(tmp_path)
-    monkeypatch.chdir(tmp_path)
-    tiny_llama(len(tokenizer), dtype=torch.float32, tie_word_embeddings=True).save_pretrained(tmp_path / "tied")
-    tokenizer.save_pretrained(tmp_path / "tied")
-    (tmp_path / "p.jsonl").write_text("".join(f'{{"prompt": "{a}+{a}="}}\n' for a in range(16)))
-    cfg = pt.parse_config([*TINY, "--model", str(tmp_path / "tied"), "--prompts", "p.jsonl", "--no-chat-template",
-                           "--reward", "count_ones:score", "--response-length", "4", "--bf16", "--lora-rank", "4"])
+    cfg = tied_lora_bf16(tmp_path, tokenizer, monkeypatch)
     run = pt.setup(cfg)
     assert run.policy.get_input_embeddings().weight.dtype == torch.float32  # (tied to the fp32 head)
     for out in ("run", "again"):
@@ -1671,14 +1678,7 @@ def test_lora_bf16_reference_is_the_base_to_the_bit_through_full_logits_too(tmp_
     """--lora-rank --bf16 --full-logits (as Gemma-2's soft cap or a head with a bias take): the reference's tree
     computes the fp32 head it shares with the policy outside autocast as the policy's does (it computed it in bf16: a
     KL from the first step), so with the adapters at zero their log-probs agree to the bit."""
-    write_reward_module(tmp_path)
-    monkeypatch.chdir(tmp_path)
-    tiny_llama(len(tokenizer), dtype=torch.float32, tie_word_embeddings=True).save_pretrained(tmp_path / "tied")
-    tokenizer.save_pretrained(tmp_path / "tied")
-    (tmp_path / "p.jsonl").write_text("".join(f'{{"prompt": "{a}+{a}="}}\n' for a in range(16)))
-    cfg = pt.parse_config([*TINY, "--model", str(tmp_path / "tied"), "--prompts", "p.jsonl", "--no-chat-template",
-                           "--reward", "count_ones:score", "--response-length", "4", "--bf16", "--lora-rank", "4",
-                           "--full-logits"])
+    cfg = tied_lora_bf16(tmp_path, tokenizer, monkeypatch, "--full-logits")
     run = pt.setup(cfg)
     t = pt.start_training(cfg, run, str(tmp_path), False, pt.Dist())
     t.close()
