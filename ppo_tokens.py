@@ -1307,7 +1307,6 @@ def host_parts(cfg: Config, device, world: int, policy, reward_model, copies_rew
     wrapped = cfg.fsdp and (world > 1 or torch.distributed.is_initialized())
     sharded = wrapped and shards_frozen(cfg, device)  # (the frozen models too)
     frozen, base = (torch.finfo(dtype).bits // 8 for dtype in (getattr(torch, cfg.dtype), trained_dtype(cfg)))
-    power_of_two = lambda size: 1 << (math.ceil(size) - 1).bit_length()  # noqa: E731
     numels = lambda model: [p.numel() for p in model.parameters()]  # noqa: E731
     head = [policy.config.hidden_size]  # (the critic's value head)
     if cfg.lora_rank:  # the adapters train: A (r, in) and B (out, r) of each adapted layer
@@ -1548,7 +1547,7 @@ def pinned_slabs(sizes: list) -> tuple:
     to a power of two (a 136 MB weight takes 256 MiB: 1.9x over a 7B's moments), so --offload cuts its buffers, in
     order, from slabs of one power-of-two size, over a sixteenth of the total (a 7B's moments: 1.13x, layers 1.07x)."""
     sizes = [-(-size // 512) * 512 for size in sizes]  # (each view 512-byte aligned, for any dtype)
-    slab = 1 << (max([*sizes, sum(sizes) // 16, 1]) - 1).bit_length()
+    slab = power_of_two(max([*sizes, sum(sizes) // 16, 1]))
     places, n, used = [], 0, 0
     for size in sizes:
         if used + size > slab:
@@ -1556,6 +1555,10 @@ def pinned_slabs(sizes: list) -> tuple:
         places.append((n, used))
         used += size
     return slab * (n + 1) * bool(sizes), slab, places
+
+
+def power_of_two(size) -> int:  # the smallest power of two >= size: what torch's pinned allocator gives a request
+    return 1 << (math.ceil(size) - 1).bit_length()
 
 
 def decoder_layers(model):  # the transformer blocks: the ModuleList of the most weights (not the longest: an MoE
